@@ -1,0 +1,137 @@
+"""Engine configuration: one object, validated once, handed down to every layer."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+POLICIES = ("fcfs", "priority")
+DTYPES = ("bfloat16", "float32", "float16", "auto")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    # 0 disables the per-request chunk cap; otherwise each request gets at most
+    # this many tokens per step so long prompts cannot starve decodes.
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+    def __post_init__(self) -> None:
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_model_len", self.max_model_len)
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0, "
+                             f"got {self.long_prefill_token_threshold}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    # None: derived from kv_cache_memory_bytes once the model shape is known.
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 2 * 1024**3
+    enable_prefix_caching: bool = True
+    # Fraction of all blocks kept free when admitting new or resumed requests.
+    watermark: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    @property
+    def watermark_blocks(self) -> int:
+        assert self.num_kv_blocks is not None
+        return int(self.watermark * self.num_kv_blocks)
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Everything an engine needs. Built from keyword args (LLM(...)), CLI flags or
+    config.pbtxt string parameters through `from_dict`; nothing re-parses later."""
+    model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
+    tokenizer: str | None = None
+    dtype: str = "bfloat16"
+    seed: int = 0
+    max_logprobs: int = 20
+    num_threads: int = 0  # 0: leave torch's default
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    # Test-only: the model runner raises at this (1-based) engine step, once.
+    inject_failure_at_step: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @classmethod
+    def from_dict(cls, args: Mapping[str, Any]) -> "EngineConfig":
+        """Flat engine args (vLLM names) -> config. Values may be strings, as they
+        are in config.pbtxt parameters; each is converted to the field's type and a
+        bad name or value raises ValueError naming it."""
+        sections = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+        owner: dict[str, tuple[str | None, dataclasses.Field]] = {}
+        for f in dataclasses.fields(cls):
+            if f.name in sections:
+                for sub in dataclasses.fields(sections[f.name]):
+                    owner[sub.name] = (f.name, sub)
+            else:
+                owner[f.name] = (None, f)
+        top: dict[str, Any] = {}
+        nested: dict[str, dict[str, Any]] = {name: {} for name in sections}
+        for key, raw in args.items():
+            if key not in owner:
+                raise ValueError(f"unknown engine argument {key!r}")
+            section, f = owner[key]
+            value = _convert(key, raw, f)
+            (nested[section] if section else top)[key] = value
+        try:
+            return cls(scheduler=SchedulerConfig(**nested["scheduler"]),
+                       cache=CacheConfig(**nested["cache"]), **top)
+        except TypeError as exc:  # pragma: no cover - guarded by the name check
+            raise ValueError(str(exc)) from exc
+
+
+def _positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _convert(name: str, raw: Any, f: dataclasses.Field) -> Any:
+    kind = str(f.type)
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        return raw
+    text = raw.strip()
+    try:
+        if kind.startswith("bool"):
+            low = text.lower()
+            if low in ("1", "true", "yes", "on"):
+                return True
+            if low in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if kind.startswith("int"):
+            if text.lower() in ("", "none", "null") and "None" in kind:
+                return None
+            return int(text)
+        if kind.startswith("float"):
+            return float(text)
+        if "None" in kind and text.lower() in ("", "none", "null"):
+            return None
+        return text
+    except ValueError:
+        raise ValueError(f"engine argument {name!r}: cannot parse {raw!r} as {kind}") from None
