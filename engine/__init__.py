@@ -1,0 +1,21 @@
+"""A vLLM-style LLM engine: continuous batching scheduler, paged KV cache, torch model."""
+from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
+                            SamplingParams)
+from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+
+__all__ = ["CacheConfig", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "Request",
+           "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+           "SchedulerOutput", "SchedulerStats"]
+
+
+def __getattr__(name: str):
+    # The model-backed classes pull in torch and transformers; the scheduler alone
+    # must stay importable (and fast to import) without them.
+    if name == "LLMEngine":
+        from engine.llm_engine import LLMEngine
+        return LLMEngine
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    raise AttributeError(name)

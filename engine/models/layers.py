@@ -1,0 +1,65 @@
+"""Building blocks shared by the Llama-family decoders. Weights are bare parameters
+created uninitialised (the loader fills them), so building a model costs no RNG time."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b); W is [out, in], the layout HF checkpoints store."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(out_features, in_features, dtype=dtype)
+        self.bias = empty_param(out_features, dtype=dtype) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with an optional fused residual add.
+
+    Normalises in fp32 and rounds to the model dtype before the weight multiply, the
+    order HF uses, so bf16 runs track HF's rounding."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(hidden_size, dtype=dtype)
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.shape, None, self.eps)
+        return normed.to(x.dtype) * self.weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); the residual is updated in place."""
+        if residual is None:
+            return self._norm(x), x
+        residual.add_(x)
+        return self._norm(residual), residual
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        act = F.silu(gate_up[:, :self.intermediate_size])
+        act.mul_(gate_up[:, self.intermediate_size:])
+        return self.down_proj(act)

@@ -1,0 +1,152 @@
+"""load_model: HF folder, .gguf file or the embedded default -> our paged-attention model."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+
+from engine.models.gguf_cache import converted_dir_for, default_model_dir
+from engine.models.llama import MODEL_REGISTRY, head_dim_of
+
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "half": torch.float16, "float32": torch.float32,
+           "fp32": torch.float32, "float": torch.float32}
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    hf_config: Any
+    tokenizer: Any
+    model_dir: Path
+    dtype: torch.dtype
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    # The longest context the model handles correctly (capped by a sliding window, which
+    # the paged attention does not implement).
+    max_position_embeddings: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    load_seconds: float = 0.0
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    def kv_cache_bytes_per_token(self) -> int:
+        """K and V for one token across all layers, in the model dtype."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, config: Any) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is None or dtype == "auto":
+        # As vLLM: keep the checkpoint's half dtype, but run fp32 checkpoints in bf16.
+        ckpt = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None)
+        if isinstance(ckpt, str):
+            ckpt = _DTYPES.get(ckpt)
+        return ckpt if ckpt in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype: unsupported value {dtype!r}; use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    if model is None:
+        return default_model_dir()
+    path = Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return converted_dir_for(path)
+    if not path.is_dir():
+        raise ValueError(f"model: {str(model)!r} is neither an HF model folder nor a .gguf file")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: folder {str(path)!r} has no config.json")
+    return path
+
+
+def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(glob.glob(str(model_dir / "*.safetensors")))
+    if files:
+        from safetensors import safe_open
+        for f in files:
+            with safe_open(f, framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        return
+    bins = sorted(glob.glob(str(model_dir / "pytorch_model*.bin")))
+    if not bins:
+        raise ValueError(f"model: no *.safetensors or pytorch_model*.bin in {str(model_dir)!r}")
+    for f in bins:
+        yield from torch.load(f, map_location="cpu", weights_only=True, mmap=True).items()
+
+
+def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> list[int]:
+    """The ids HF `generate` stops on: generation_config.json first, then config, then tokenizer.
+
+    Sources are not merged: the SmolLM2 GGUF's tokenizer names <|im_start|> as EOS, which
+    `generate` ignores in favour of the generation config."""
+    candidates: list[Any] = []
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+    candidates.append(getattr(config, "eos_token_id", None))
+    candidates.append(getattr(tokenizer, "eos_token_id", None))
+    for value in candidates:
+        if value is None:
+            continue
+        ids = [value] if isinstance(value, int) else list(value)
+        if ids:
+            return [int(i) for i in dict.fromkeys(ids)]
+    return []
+
+
+def _max_context(config: Any) -> int:
+    limit = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
+    if window and uses_window:
+        limit = min(limit, int(window))
+    return limit
+
+
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = torch.bfloat16
+               ) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
+
+    start = time.perf_counter()
+    model_dir = resolve_model_dir(model)
+    config = AutoConfig.from_pretrained(model_dir)
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = next((a for a in archs if a in MODEL_REGISTRY), None)
+    if arch is None:
+        raise ValueError(f"model: unsupported architectures {archs}; "
+                         f"supported: {sorted(MODEL_REGISTRY)}")
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"model: hidden_act {config.hidden_act!r} unsupported (only silu)")
+    torch_dtype = resolve_dtype(dtype, config)
+    net = MODEL_REGISTRY[arch](config, torch_dtype)
+    with torch.no_grad():
+        net.load_weights(iter_checkpoint_tensors(model_dir))
+    net.eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return LoadedModel(
+        model=net, hf_config=config, tokenizer=tokenizer, model_dir=model_dir,
+        dtype=torch_dtype, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim_of(config), hidden_size=config.hidden_size,
+        vocab_size=config.vocab_size, max_position_embeddings=_max_context(config),
+        eos_token_ids=eos_token_ids(model_dir, config, tokenizer),
+        load_seconds=time.perf_counter() - start)

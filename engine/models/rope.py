@@ -1,0 +1,105 @@
+"""Rotary position embedding: inverse frequencies per HF `rope_scaling` type, and a
+cos/sin table precomputed for every position so a forward only gathers rows by position."""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    return 1.0 / (theta ** exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: Mapping[str, Any]) -> torch.Tensor:
+    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, and the band
+    # between the two thresholds interpolated smoothly.
+    factor = float(s["factor"])
+    low, high = float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(medium, blended, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(theta: float, dim: int, s: Mapping[str, Any],
+                   max_pos: int) -> tuple[torch.Tensor, float]:
+    factor = float(s["factor"])
+    orig_len = s.get("original_max_position_embeddings") or max_pos
+    attn_factor = s.get("attention_factor")
+    if attn_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attn_factor = (_yarn_mscale(factor, m) / _yarn_mscale(factor, m_all)
+                       if m and m_all else _yarn_mscale(factor))
+    beta_fast = s.get("beta_fast") or 32
+    beta_slow = s.get("beta_slow") or 1
+
+    def dim_for_rotations(n_rot: float) -> float:
+        return dim * math.log(orig_len / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    lo, hi = dim_for_rotations(beta_fast), dim_for_rotations(beta_slow)
+    if s.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    extrapolate = _base_inv_freq(theta, dim)
+    inv_freq = extrapolate / factor * ramp + extrapolate * (1 - ramp)
+    return inv_freq, float(attn_factor)
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rot_dim/2], cos/sin multiplier) for an HF config."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    theta = float(getattr(config, "rope_theta", 10000.0))
+    scaling = getattr(config, "rope_scaling", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "default":
+        return _base_inv_freq(theta, dim), 1.0
+    if rope_type == "linear":
+        return _base_inv_freq(theta, dim) / float(scaling["factor"]), 1.0
+    if rope_type == "llama3":
+        return _llama3_inv_freq(_base_inv_freq(theta, dim), scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(theta, dim, scaling, config.max_position_embeddings)
+    raise ValueError(f"rope_scaling: unsupported rope type {rope_type!r}; "
+                     f"supported: {SUPPORTED_ROPE_TYPES}")
+
+
+class RotaryEmbedding(nn.Module):
+    """NeoX-style (rotate-half) RoPE, as HF Llama/Qwen2 apply it."""
+
+    def __init__(self, config, dtype: torch.dtype) -> None:
+        super().__init__()
+        inv_freq, mult = rope_inv_freq(config)
+        self.rot_dim = inv_freq.numel() * 2
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        angles = torch.outer(positions, inv_freq)
+        # HF rounds cos/sin to the model dtype before mixing, so do the same.
+        self.register_buffer("cos", (angles.cos() * mult).to(dtype), persistent=False)
+        self.register_buffer("sin", (angles.sin() * mult).to(dtype), persistent=False)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, heads, head_dim] (may be a strided view); returns a new contiguous tensor."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = self.rot_dim // 2
+        x1, x2 = x[..., :half], x[..., half:self.rot_dim]
+        rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+        if self.rot_dim == x.shape[-1]:
+            return torch.cat(rotated, dim=-1)
+        return torch.cat((*rotated, x[..., self.rot_dim:]), dim=-1)

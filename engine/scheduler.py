@@ -1,0 +1,247 @@
+"""vLLM-V1-style scheduler: one token budget per step, RUNNING first, then WAITING;
+prefill and decode are the same thing (computed tokens catching up with tokens)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.kv_cache import KVCacheManager
+from engine.request import Request, RequestStatus
+from engine.request_queue import make_request_queue
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Batch order for the runner: running requests, then new and resumed admissions.
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    new_req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: list[str] = field(default_factory=list)
+    running_req_ids: list[str] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    # Requests finished (stopped or aborted) since the previous schedule().
+    finished_req_ids: set[str] = field(default_factory=set)
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions_total: int
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        if cache_config.num_kv_blocks is None:
+            raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(cache_config.num_kv_blocks, cache_config.block_size,
+                                               cache_config.enable_prefix_caching)
+        self.watermark_blocks = cache_config.watermark_blocks
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+
+    # ---- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                             f"{self.config.max_model_len} and leaves no room for output")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                        ) -> list[Request]:
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    # ---- one step -----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        token_budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        running = self.running
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, token_budget, cfg.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if kv.allocate_slots(request, num_new) is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = running.index(victim)
+                running.pop(victim_index)
+                if victim.request_id in num_scheduled:
+                    # Already granted this step (priority policy): take the grant back.
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    scheduled_running.remove(victim)
+                if victim_index < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            num_scheduled[request.request_id] = num_new
+            scheduled_running.append(request)
+            token_budget -= num_new
+            i += 1
+
+        new_reqs: list[Request] = []
+        resumed_reqs: list[Request] = []
+        # Admitting while preempting would only thrash: whoever was just evicted is
+        # at the head of WAITING and cannot fit anyway.
+        if not preempted:
+            waiting = self.waiting
+            while waiting and token_budget > 0 and len(running) < cfg.max_num_seqs:
+                request = waiting.peek()
+                hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit_tokens
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                num_new = min(num_new, token_budget)
+                if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks) is None:
+                    break
+                waiting.pop()
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_hit_tokens
+                kv.record_prefix_lookup(request, num_hit_tokens)
+                (resumed_reqs if request.status == RequestStatus.PREEMPTED else new_reqs).append(request)
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit_tokens
+                running.append(request)
+                num_scheduled[request.request_id] = num_new
+                token_budget -= num_new
+
+        scheduled = scheduled_running + resumed_reqs + new_reqs
+        block_ids = kv.req_to_block_ids
+        for request in scheduled:
+            # V1 convention: progress counts what is scheduled, before it is computed.
+            request.num_computed_tokens += num_scheduled[request.request_id]
+        out = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
+            new_req_ids=[r.request_id for r in new_reqs],
+            resumed_req_ids=[r.request_id for r in resumed_reqs],
+            running_req_ids=[r.request_id for r in scheduled_running],
+            preempted_req_ids=[r.request_id for r in preempted],
+            finished_req_ids=self.finished_req_ids,
+            block_ids=block_ids,
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(request)
+
+    # ---- results of a step ----------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens, apply stop rules and free finished requests. Tokens
+        after a stop in the same step are dropped. Returns the requests that finished."""
+        finished: list[Request] = []
+        max_model_len = self.config.max_model_len
+        for request in scheduler_output.scheduled_requests:
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            new_ids = sampled_token_ids.get(request.request_id)
+            if not new_ids:
+                continue
+            params = request.sampling_params
+            for token_id in new_ids:
+                request.all_token_ids.append(token_id)
+                status = None
+                num_output = request.num_tokens - request.num_prompt_tokens
+                if num_output >= params.min_tokens:
+                    if token_id == request.eos_token_id and not params.ignore_eos:
+                        status = RequestStatus.FINISHED_STOPPED
+                    elif token_id in params.stop_token_ids:
+                        status = RequestStatus.FINISHED_STOPPED
+                        request.stop_reason = token_id
+                if status is None and (request.num_tokens >= max_model_len or (
+                        request.max_tokens is not None and num_output >= request.max_tokens)):
+                    status = RequestStatus.FINISHED_LENGTH_CAPPED
+                if status is not None:
+                    request.status = status
+                    break
+            if request.status != RequestStatus.RUNNING:
+                self.running.remove(request)
+                self._free(request)
+                finished.append(request)
+        return finished
+
+    def finish_with_reason(self, request: Request, status: RequestStatus,
+                           stop_reason: int | str | None = None) -> None:
+        """Finish a running request for a reason found outside the scheduler (a stop
+        string matched by the detokenizer)."""
+        if request.request_id not in self.requests:
+            return
+        self.finish_requests([request.request_id], status)
+        request.stop_reason = stop_reason
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions_total=self.num_preemptions_total)

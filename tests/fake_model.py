@@ -1,0 +1,62 @@
+"""A fake model runner for driving the real Scheduler without torch.
+
+It 'computes' KV by writing, into each slot, a fingerprint of the whole prefix up to
+that token; before sampling it checks that every slot a request reads holds that
+request's own prefix. So a wrong prefix-cache hit, a block shared or freed too early,
+or stale KV after preemption shows up as an assertion, not as a silent pass. Sampled
+tokens are a pure function of the sequence so far, like greedy decoding."""
+from __future__ import annotations
+
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+def prefix_fingerprints(token_ids: list[int]) -> list[int]:
+    out, h = [], 0
+    for t in token_ids:
+        h = hash((h, t))
+        out.append(h)
+    return out
+
+
+def next_token(token_ids: list[int], vocab_size: int) -> int:
+    return hash(tuple(token_ids[-8:]) + (len(token_ids),)) % vocab_size
+
+
+class FakeModelRunner:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        sampled: dict[str, list[int]] = {}
+        bs = self.block_size
+        for request in out.scheduled_requests:
+            n = out.num_scheduled_tokens[request.request_id]
+            end = request.num_computed_tokens
+            start = end - n
+            block_ids = out.block_ids[request.request_id]
+            assert len(block_ids) * bs >= end, "block table too short for scheduled tokens"
+            fingerprints = prefix_fingerprints(request.all_token_ids[:end])
+            for pos in range(start, end):
+                self.slots[block_ids[pos // bs] * bs + pos % bs] = fingerprints[pos]
+            for pos in range(end):
+                got = self.slots[block_ids[pos // bs] * bs + pos % bs]
+                assert got == fingerprints[pos], (
+                    f"{request.request_id}: KV at position {pos} is not this request's prefix")
+            if end >= request.num_tokens:
+                sampled[request.request_id] = [next_token(request.all_token_ids, self.vocab_size)]
+        return sampled
+
+
+def run_to_completion(scheduler: Scheduler, runner: FakeModelRunner, max_steps: int = 100_000,
+                      on_step=None) -> int:
+    steps = 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        if on_step is not None:
+            on_step(scheduler, out)
+        scheduler.update_from_output(out, runner.execute(out))
+        steps += 1
+        assert steps < max_steps, "scheduler made no progress"
+    return steps

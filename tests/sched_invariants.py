@@ -1,0 +1,57 @@
+"""Whole-state invariants of the scheduler and its KV manager, checked after a step."""
+from __future__ import annotations
+
+from collections import Counter
+
+from engine.request import RequestStatus
+from engine.scheduler import Scheduler, SchedulerOutput
+
+
+def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
+    cfg = scheduler.config
+    assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+    assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
+    assert len(out.scheduled_requests) <= cfg.max_num_seqs
+    assert len(scheduler.running) <= cfg.max_num_seqs
+    if cfg.long_prefill_token_threshold > 0:
+        assert max(out.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
+    if out.preempted_req_ids:
+        assert not out.new_req_ids and not out.resumed_req_ids
+    assert all(n > 0 for n in out.num_scheduled_tokens.values())
+    check_state(scheduler)
+
+
+def check_state(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    owners: Counter[int] = Counter()
+    bs = kv.block_size
+    for request in scheduler.running:
+        assert request.status == RequestStatus.RUNNING
+        blocks = kv.req_to_blocks[request.request_id]
+        ids = [b.block_id for b in blocks]
+        assert ids == kv.req_to_block_ids[request.request_id]
+        assert len(set(ids)) == len(ids), "a block appears twice in one block table"
+        assert len(blocks) == -(-request.num_computed_tokens // bs)
+        assert request.num_computed_tokens <= request.num_tokens
+        owners.update(ids)
+    for request in scheduler.waiting:
+        assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert request.num_computed_tokens == 0
+        assert request.request_id not in kv.req_to_blocks
+    assert set(kv.req_to_blocks) == {r.request_id for r in scheduler.running}
+    for block in pool.blocks:
+        assert block.ref_cnt == owners[block.block_id], f"{block} has {owners[block.block_id]} owners"
+        assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue)
+    for block_hash, block in pool.cached_blocks.items():
+        assert block.block_hash == block_hash
+    assert len(scheduler.requests) == len(scheduler.running) + len(scheduler.waiting)
+
+
+def check_drained(scheduler: Scheduler) -> None:
+    kv = scheduler.kv_cache_manager
+    assert not scheduler.has_unfinished_requests()
+    assert not scheduler.requests
+    assert kv.num_free_blocks == kv.block_pool.num_blocks, "blocks leaked"
+    assert kv.usage == 0.0
+    assert not kv.req_to_blocks

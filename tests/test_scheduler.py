@@ -1,0 +1,282 @@
+"""Hand-checked scenarios for each scheduling and KV-cache rule."""
+import pytest
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, RequestStatus, SamplingParams
+from engine.scheduler import Scheduler
+from tests.fake_model import FakeModelRunner, run_to_completion
+from tests.sched_invariants import check_drained, check_state, check_step
+
+
+def make(num_blocks=1000, block_size=16, watermark=0.0, caching=True, **sched):
+    return Scheduler(SchedulerConfig(**sched),
+                     CacheConfig(num_kv_blocks=num_blocks, block_size=block_size,
+                                 watermark=watermark, enable_prefix_caching=caching))
+
+
+def req(rid, prompt, max_tokens=16, priority=0, arrival=None, eos=None, **params):
+    if isinstance(prompt, int):
+        prompt = [(hash(rid) + i) % 30000 + 1 for i in range(prompt)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params),
+                   priority=priority, arrival_time=arrival, eos_token_id=eos)
+
+
+def step(s, sampled=None):
+    out = s.schedule()
+    check_step(s, out)
+    if sampled is None:
+        sampled = {r.request_id: [7] for r in out.scheduled_requests
+                   if r.num_computed_tokens >= r.num_tokens}
+    finished = s.update_from_output(out, sampled)
+    check_state(s)
+    return out, finished
+
+
+def test_chunked_prefill_budget_and_threshold():
+    s = make(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
+    for name in "abc":
+        s.add_request(req(name, 800))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
+    assert out.new_req_ids == ["a", "b", "c"]
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
+    out, _ = step(s)
+    # a and b finished their prompts last step and now decode; c gets the rest.
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 352}
+    assert [r.num_output_tokens for r in (s.requests["a"], s.requests["b"])] == [2, 2]
+
+
+def test_decodes_mix_with_a_long_prefill_and_running_goes_first():
+    s = make(max_num_batched_tokens=64)
+    s.add_request(req("short", 10))
+    step(s)
+    s.add_request(req("long", 300))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"short": 1, "long": 63}
+    assert out.running_req_ids == ["short"] and out.new_req_ids == ["long"]
+
+
+def test_max_num_seqs_caps_admissions():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add_request(req(f"r{i}", 5))
+    out, _ = step(s)
+    assert sorted(out.num_scheduled_tokens) == ["r0", "r1"]
+    assert len(s.waiting) == 2
+
+
+def test_max_model_len_caps_length():
+    s = make(max_model_len=20)
+    s.add_request(req("r", 15, max_tokens=100))
+    finished = []
+    while s.has_unfinished_requests():
+        finished += step(s)[1]
+    (r,) = finished
+    assert r.num_tokens == 20 and r.finish_reason == "length"
+    check_drained(s)
+
+
+def test_prompt_at_max_model_len_is_rejected():
+    s = make(max_model_len=16)
+    with pytest.raises(ValueError, match="max_model_len"):
+        s.add_request(req("r", 16))
+
+
+def test_prefix_cache_hit_and_last_token_always_computed():
+    s = make(block_size=16)
+    shared = list(range(1, 49))  # three full blocks
+    s.add_request(req("a", shared + [100, 101]))
+    step(s)
+    s.add_request(req("b", shared + [200]))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["b"] == 1  # 48 tokens came from the cache
+    kv = s.kv_cache_manager
+    assert kv.req_to_block_ids["a"][:3] == kv.req_to_block_ids["b"][:3]
+    assert kv.prefix_cache_stats.queries == 50 + 49
+    assert kv.prefix_cache_stats.hits == 48
+    # A prompt that is exactly cached still computes its last token.
+    s.add_request(req("c", shared))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["c"] == 16 and s.requests["c"].num_cached_tokens == 32
+
+
+def test_cache_salt_separates_prefixes():
+    s = make(block_size=4)
+    s.add_request(Request("a", list(range(1, 10)), SamplingParams(max_tokens=1), cache_salt="x"))
+    step(s)
+    s.add_request(Request("b", list(range(1, 10)), SamplingParams(max_tokens=1), cache_salt="y"))
+    out, _ = step(s)
+    assert out.num_scheduled_tokens["b"] == 9
+
+
+def test_allocate_never_counts_free_cache_hits_as_free_space():
+    s = make(num_blocks=4, block_size=4)
+    prefix = list(range(1, 9))  # two blocks
+    s.add_request(req("a", prefix, max_tokens=1))
+    while s.has_unfinished_requests():
+        step(s)
+    kv = s.kv_cache_manager
+    assert kv.num_free_blocks == 4 and len(kv.block_pool.cached_blocks) == 2
+    b = req("b", prefix + list(range(50, 59)), max_tokens=1)  # 17 tokens: 5 blocks in all
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and all(h.ref_cnt == 0 for h in hits)
+    # 3 new blocks <= 4 free, but 2 of the free ones are the hits themselves.
+    assert kv.allocate_slots(b, 9, hits) is None
+    assert kv.num_free_blocks == 4 and all(h.ref_cnt == 0 for h in hits)
+    assert "b" not in kv.req_to_blocks or kv.req_to_blocks["b"] == []
+
+
+def test_watermark_holds_back_admissions_but_not_running_growth():
+    s = make(num_blocks=10, block_size=4, watermark=0.2)  # 2 blocks reserved
+    s.add_request(req("big", 33))  # 9 blocks: 10 - 9 < 2
+    out, _ = step(s)
+    assert not out.num_scheduled_tokens and len(s.waiting) == 1
+    s.finish_requests(["big"])
+    s.add_request(req("ok", 32, max_tokens=8))  # 8 blocks: 10 - 8 >= 2
+    out, _ = step(s)
+    assert out.num_scheduled_tokens == {"ok": 32}
+    step(s)  # the decode needs a 9th block: running requests may use the reserve
+    assert len(s.kv_cache_manager.req_to_blocks["ok"]) == 9
+
+
+def test_fcfs_preempts_tail_and_resumes_first():
+    s = make(num_blocks=4, block_size=4, caching=False)
+    s.add_request(req("a", 8, max_tokens=20, ignore_eos=True))
+    s.add_request(req("b", 8, max_tokens=20, ignore_eos=True))
+    step(s)  # a, b: 2 blocks each, pool full
+    s.add_request(req("c", 3))
+    out, _ = step(s)  # both need a third block at position 8
+    assert out.preempted_req_ids == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1} and not out.new_req_ids
+    b = s.requests["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert b.num_preemptions == 1 and s.num_preemptions_total == 1
+    assert s.waiting.peek() is b and b.num_output_tokens == 1
+
+
+def test_priority_preempts_lowest_priority_not_tail():
+    s = make(num_blocks=4, block_size=4, caching=False, policy="priority")
+    s.add_request(req("low", 8, max_tokens=20, priority=5, arrival=1.0, ignore_eos=True))
+    s.add_request(req("high", 8, max_tokens=20, priority=0, arrival=2.0, ignore_eos=True))
+    out, _ = step(s)
+    assert out.new_req_ids == ["high", "low"]  # priority order, not arrival
+    out, _ = step(s)
+    assert out.preempted_req_ids == ["low"]
+    assert out.num_scheduled_tokens == {"high": 1}
+
+
+def test_priority_victim_already_scheduled_gives_back_its_budget():
+    s = make(num_blocks=5, block_size=4, caching=False, policy="priority")
+    s.add_request(req("low", 7, max_tokens=20, priority=9, arrival=0.0, ignore_eos=True))
+    step(s)
+    s.add_request(req("high", 8, max_tokens=20, priority=0, arrival=1.0, ignore_eos=True))
+    step(s)  # running order: low, high; 2 + 2 blocks, 1 free
+    assert [r.request_id for r in s.running] == ["low", "high"]
+    out, _ = step(s)  # low grows into the free block, then high needs one: low is evicted
+    assert out.preempted_req_ids == ["low"]
+    assert out.num_scheduled_tokens == {"high": 1} and out.total_num_scheduled_tokens == 1
+
+
+def test_priority_queue_orders_waiting():
+    s = make(max_num_seqs=1, policy="priority")
+    s.add_request(req("late-urgent", 3, priority=0, arrival=5.0))
+    s.add_request(req("early-lazy", 3, priority=3, arrival=1.0))
+    s.add_request(req("early-urgent", 3, priority=0, arrival=2.0))
+    assert [r.request_id for r in s.waiting] == ["early-urgent", "late-urgent", "early-lazy"]
+
+
+def test_stop_rules():
+    s = make()
+    s.add_request(req("eos", 3, eos=2))
+    s.add_request(req("ignore", 3, eos=2, ignore_eos=True, max_tokens=2))
+    s.add_request(req("stopid", 3, stop_token_ids=[9]))
+    s.add_request(req("min", 3, eos=2, min_tokens=2))
+    out = s.schedule()
+    fin = s.update_from_output(out, {"eos": [2], "ignore": [2], "stopid": [5], "min": [2]})
+    assert [r.request_id for r in fin] == ["eos"]
+    assert fin[0].finish_reason == "stop" and fin[0].stop_reason is None
+    out = s.schedule()
+    # Tokens after a stop in the same step are dropped.
+    fin = s.update_from_output(out, {"ignore": [2], "stopid": [9, 4, 4], "min": [2]})
+    by_id = {r.request_id: r for r in fin}
+    assert by_id["ignore"].finish_reason == "length" and by_id["ignore"].output_token_ids == [2, 2]
+    assert by_id["stopid"].output_token_ids == [5, 9] and by_id["stopid"].stop_reason == 9
+    assert by_id["min"].finish_reason == "stop" and by_id["min"].num_output_tokens == 2
+    check_drained(s)
+
+
+def test_abort_waiting_and_running_frees_everything():
+    s = make(max_num_seqs=1)
+    s.add_request(req("run", 40))
+    s.add_request(req("wait", 40))
+    step(s)
+    assert s.kv_cache_manager.usage > 0
+    aborted = s.finish_requests(["run", "wait", "unknown"])
+    assert {r.request_id for r in aborted} == {"run", "wait"}
+    assert all(r.finish_reason == "abort" for r in aborted)
+    check_drained(s)
+    assert s.schedule().finished_req_ids == {"run", "wait"}
+
+
+def test_freed_chain_is_evicted_tail_first():
+    s = make(num_blocks=6, block_size=4)
+    prompt = list(range(1, 14))  # 3 full blocks + 1 token
+    s.add_request(req("a", prompt, max_tokens=1))
+    while s.has_unfinished_requests():
+        step(s)
+    kv = s.kv_cache_manager
+    # Need 4 new blocks: the 2 never-used blocks go first, then the chain's tail.
+    s.add_request(req("filler", list(range(100, 113)), max_tokens=1))
+    step(s)
+    b = req("b", prompt, max_tokens=1)
+    _, hit = kv.get_computed_blocks(b)
+    assert hit == 8  # head and middle block survived, the tail block was evicted
+
+
+def test_preempted_request_resumes_from_prefix_cache_and_output_matches():
+    def run(num_blocks):
+        s = make(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=32)
+        runner = FakeModelRunner(num_blocks, 4)
+        for i in range(6):
+            s.add_request(req(f"r{i}", 10 + i, max_tokens=25, ignore_eos=True))
+        done = {}
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            check_step(s, out)
+            for r in s.update_from_output(out, runner.execute(out)):
+                done[r.request_id] = r
+        check_drained(s)
+        return s, {k: r.output_token_ids for k, r in done.items()}
+
+    roomy, expected = run(200)
+    tight, got = run(24)
+    assert roomy.num_preemptions_total == 0 and tight.num_preemptions_total > 0
+    assert got == expected
+    assert tight.kv_cache_manager.prefix_cache_stats.hits > 0
+
+
+def test_finish_with_stop_string_reason():
+    s = make()
+    s.add_request(req("r", 5))
+    out = s.schedule()
+    s.update_from_output(out, {"r": [3]})
+    r = s.requests["r"]
+    s.finish_with_reason(r, RequestStatus.FINISHED_STOPPED, "###")
+    assert r.finish_reason == "stop" and r.stop_reason == "###"
+    check_drained(s)
+
+
+def test_duplicate_request_id_rejected():
+    s = make()
+    s.add_request(req("r", 5))
+    with pytest.raises(ValueError, match="already in use"):
+        s.add_request(req("r", 5))
+
+
+def test_run_to_completion_with_fake_model():
+    s = make(num_blocks=30, block_size=4, max_num_batched_tokens=40, long_prefill_token_threshold=12)
+    for i in range(20):
+        s.add_request(req(f"r{i}", 5 + 3 * i, max_tokens=10))
+    run_to_completion(s, FakeModelRunner(30, 4), on_step=check_step)
+    check_drained(s)
