@@ -13,7 +13,8 @@ DTYPES = ("bfloat16", "float32", "float16", "auto")
 class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    max_model_len: int = 2048
+    # None: the model's max_position_embeddings (resolved by the engine).
+    max_model_len: int | None = None
     # 0 disables the per-request chunk cap; otherwise each request gets at most
     # this many tokens per step so long prompts cannot starve decodes.
     long_prefill_token_threshold: int = 0
@@ -22,7 +23,8 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_num_seqs", self.max_num_seqs)
-        _positive("max_model_len", self.max_model_len)
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len)
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold}")

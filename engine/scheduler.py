@@ -12,7 +12,7 @@ from engine.request_queue import make_request_queue
 
 @dataclass(slots=True)
 class SchedulerOutput:
-    # Batch order for the runner: running requests, then new and resumed admissions.
+    # Batch order for the runner: running requests, then admissions in admission order.
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
@@ -40,6 +40,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         if cache_config.num_kv_blocks is None:
             raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
+        if scheduler_config.max_model_len is None:
+            raise ValueError("scheduler_config.max_model_len must be set before building a Scheduler")
         self.config = scheduler_config
         self.cache_config = cache_config
         self.kv_cache_manager = KVCacheManager(cache_config.num_kv_blocks, cache_config.block_size,
@@ -136,6 +138,7 @@ class Scheduler:
 
         new_reqs: list[Request] = []
         resumed_reqs: list[Request] = []
+        admitted: list[Request] = []
         # Admitting while preempting would only thrash: whoever was just evicted is
         # at the head of WAITING and cannot fit anyway.
         if not preempted:
@@ -154,13 +157,16 @@ class Scheduler:
                     request.num_cached_tokens = num_hit_tokens
                 kv.record_prefix_lookup(request, num_hit_tokens)
                 (resumed_reqs if request.status == RequestStatus.PREEMPTED else new_reqs).append(request)
+                admitted.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
                 running.append(request)
                 num_scheduled[request.request_id] = num_new
                 token_budget -= num_new
 
-        scheduled = scheduled_running + resumed_reqs + new_reqs
+        # Admission order matters: a later admission may hit prefix blocks that an
+        # earlier one fills in this very step.
+        scheduled = scheduled_running + admitted
         block_ids = kv.req_to_block_ids
         for request in scheduled:
             # V1 convention: progress counts what is scheduled, before it is computed.
@@ -185,7 +191,9 @@ class Scheduler:
         return self.running[-1]
 
     def _preempt(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
+        # Progress is only committed at the end of schedule(), so num_computed_tokens
+        # here counts exactly the tokens whose KV exists.
+        self.kv_cache_manager.free(request, num_valid_tokens=request.num_computed_tokens)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1

@@ -9,6 +9,7 @@ from tests.sched_invariants import check_drained, check_state, check_step
 
 
 def make(num_blocks=1000, block_size=16, watermark=0.0, caching=True, **sched):
+    sched.setdefault("max_model_len", 2048)
     return Scheduler(SchedulerConfig(**sched),
                      CacheConfig(num_kv_blocks=num_blocks, block_size=block_size,
                                  watermark=watermark, enable_prefix_caching=caching))
@@ -280,3 +281,32 @@ def test_run_to_completion_with_fake_model():
         s.add_request(req(f"r{i}", 5 + 3 * i, max_tokens=10))
     run_to_completion(s, FakeModelRunner(30, 4), on_step=check_step)
     check_drained(s)
+
+
+
+def test_free_uncaches_blocks_whose_kv_was_never_written():
+    # A request can be preempted in the step that granted it tokens (priority policy):
+    # blocks registered at allocation must not serve later prefix hits.
+    s = make(block_size=4)
+    kv = s.kv_cache_manager
+    r = req("r", list(range(1, 13)))
+    assert kv.allocate_slots(r, 12) is not None  # three full blocks, cached at allocation
+    assert len(kv.block_pool.cached_blocks) == 3
+    kv.free(r, num_valid_tokens=5)  # only block 0 (and a bit of block 1) was computed
+    assert list(kv.block_pool.cached_blocks) == [r.block_hashes[0]]
+    assert kv.num_free_blocks == 1000
+
+
+def test_priority_victim_preempted_after_its_grant_is_undone_cleanly():
+    s = make(num_blocks=7, block_size=1, policy="priority")
+    s.add_request(req("low", [11, 12, 13], max_tokens=20, priority=9, arrival=0.0, ignore_eos=True))
+    step(s)
+    s.add_request(req("high", [21, 22], max_tokens=20, priority=0, arrival=1.0, ignore_eos=True))
+    step(s)
+    out = s.schedule()  # low takes the last block, then high needs one and low is evicted
+    check_step(s, out)
+    assert out.preempted_req_ids == ["low"] and out.num_scheduled_tokens == {"high": 1}
+    low = s.requests["low"]
+    assert low.num_computed_tokens == 0
+    # low's token at position 4 was never computed: its hash must not be served.
+    assert low.block_hashes[4] not in s.kv_cache_manager.block_pool.cached_blocks

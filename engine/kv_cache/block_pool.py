@@ -57,6 +57,10 @@ class BlockPool:
             del self.cached_blocks[block.block_hash]
         block.block_hash = None
 
+    def uncache(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            self._evict(block)
+
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         return self.cached_blocks.get(block_hash)
 

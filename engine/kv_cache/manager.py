@@ -103,10 +103,17 @@ class KVCacheManager:
             self.block_pool.cache_block(blocks[i], hashes[i])
         self.num_cached_blocks[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
+        """Release the request's blocks. `num_valid_tokens`: how many of its tokens
+        really have KV written; blocks past that were registered in the prefix cache
+        at allocation (before the forward) and must not serve hits, e.g. when a
+        request is preempted in the same step that granted it tokens."""
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.req_to_block_ids.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
+        if blocks and num_valid_tokens is not None:
+            for block in blocks[num_valid_tokens // self.block_size:]:
+                self.block_pool.uncache(block)
         if blocks:
             # Tail first: the end of a chain is the least likely to be shared, so it
             # should be evicted before the head.
