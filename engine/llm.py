@@ -1,0 +1,64 @@
+"""Offline generation: LLM(model).generate(prompts, params) -> outputs in input order."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from tqdm.auto import tqdm
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.request import RequestOutput, SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **engine_args}))
+        self._next_id = 0
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        engine = self.llm_engine
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(self._next_id)
+                self._next_id += 1
+                engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            engine.abort_request(ids)
+            raise
+        results: dict[str, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else len(prompts) >= 8
+        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None
+             ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template (with the assistant prompt) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tokenizer = self.llm_engine.tokenizer
+        prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

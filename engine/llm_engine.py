@@ -1,0 +1,231 @@
+"""LLMEngine: add requests, step, stream per-step deltas, abort."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from engine.config import EngineConfig
+from engine.detokenizer import IncrementalDetokenizer
+from engine.model_runner import ModelRunner
+from engine.models import load_model
+from engine.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
+                            SamplingParams)
+from engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+
+
+class EngineStepError(RuntimeError):
+    """A step failed; the requests it was computing were aborted (listed here)."""
+
+    def __init__(self, message: str, failed_request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.failed_request_ids = failed_request_ids
+
+
+@dataclass(slots=True)
+class _Tracked:
+    request: Request
+    prompt: str | None
+    detokenizer: IncrementalDetokenizer
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    num_sent_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, **engine_args) -> None:
+        if config is None:
+            config = EngineConfig.from_dict(engine_args)
+        elif engine_args:
+            raise ValueError("pass either an EngineConfig or engine arguments, not both")
+        if config.num_threads > 0:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config.model, config.dtype)
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.config = self._resolve(config, loaded)
+        sched_cfg, cache_cfg = self.config.scheduler, self.config.cache
+        self.runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                                  seed=self.config.seed,
+                                  inject_failure_at_step=self.config.inject_failure_at_step)
+        self.scheduler = Scheduler(sched_cfg, cache_cfg)
+        self.eos_token_id = loaded.eos_token_id
+        self._tracked: dict[str, _Tracked] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        logger.info("engine ready: model %s, %d KV blocks x %d tokens, max_model_len %d",
+                    loaded.model_dir, cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                    sched_cfg.max_model_len)
+
+    @staticmethod
+    def _resolve(config: EngineConfig, loaded) -> EngineConfig:
+        """Fill in what depends on the model and refuse configurations that cannot
+        serve one request of max_model_len."""
+        sched = config.scheduler
+        cache = config.cache
+        max_model_len = sched.max_model_len or loaded.max_position_embeddings
+        if max_model_len > loaded.max_position_embeddings:
+            raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
+                             f"max_position_embeddings ({loaded.max_position_embeddings})")
+        num_blocks = cache.num_kv_blocks
+        if num_blocks is None:
+            per_block = loaded.kv_cache_bytes_per_token() * cache.block_size
+            num_blocks = cache.kv_cache_memory_bytes // per_block
+        needed = -(-max_model_len // cache.block_size)
+        usable = num_blocks - int(cache.watermark * num_blocks)
+        if usable < needed:
+            raise ValueError(
+                f"KV cache too small: {num_blocks} blocks of {cache.block_size} tokens "
+                f"(watermark {cache.watermark}) cannot hold one request of max_model_len="
+                f"{max_model_len} ({needed} blocks); raise num_kv_blocks / "
+                f"kv_cache_memory_bytes or lower max_model_len")
+        return dataclasses.replace(
+            config,
+            scheduler=dataclasses.replace(sched, max_model_len=max_model_len),
+            cache=dataclasses.replace(cache, num_kv_blocks=num_blocks))
+
+    # ---- requests -----------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_text = prompt if isinstance(prompt, str) else None
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.loaded.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
+        max_model_len = self.config.scheduler.max_model_len
+        if len(token_ids) >= max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room "
+                             f"for output within max_model_len={max_model_len}")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(f"SamplingParams.logprobs must be <= max_logprobs "
+                             f"({self.config.max_logprobs}), got {params.logprobs}")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be < vocab size {vocab}")
+        request = Request(request_id, token_ids, params, priority=priority,
+                          arrival_time=arrival_time, eos_token_id=self.eos_token_id,
+                          cache_salt=cache_salt)
+        if params.max_tokens is None:
+            request.max_tokens = max_model_len - len(token_ids)
+        self.scheduler.add_request(request)
+        want_logprobs = params.logprobs is not None
+        self._tracked[request_id] = _Tracked(
+            request, prompt_text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
+            0.0 if want_logprobs else None, [] if want_logprobs else None)
+        self.prompt_tokens_total += len(token_ids)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        return [self._finish_output(self._tracked.pop(r.request_id)) for r in aborted
+                if r.request_id in self._tracked]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # ---- one step -------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step and return an output for every request that got new
+        tokens or finished. Raises EngineStepError if the model failed; the requests of
+        that step are then aborted and the engine is ready for the next step."""
+        sched_out = self.scheduler.schedule()
+        if not sched_out.scheduled_requests:
+            return []
+        try:
+            result = self.runner.execute(sched_out)
+        except Exception as exc:
+            failed = [r.request_id for r in sched_out.scheduled_requests]
+            logger.exception("engine step failed; aborting %d requests", len(failed))
+            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
+            for rid in failed:
+                self._tracked.pop(rid, None)
+                self.runner.free(rid)
+            # Blocks registered at allocation may never have been written.
+            self.scheduler.kv_cache_manager.reset_prefix_cache()
+            raise EngineStepError(f"model execution failed: {exc}", failed) from exc
+        sampled = result.sampled_token_ids
+        num_before = {rid: self._tracked[rid].request.num_tokens for rid in sampled}
+        finished = self.scheduler.update_from_output(sched_out, sampled)
+        finished_ids = {r.request_id for r in finished}
+        outputs: list[RequestOutput] = []
+        for rid in sampled:
+            tracked = self._tracked[rid]
+            request = tracked.request
+            new_ids = request.all_token_ids[num_before[rid]:]
+            if not new_ids:
+                continue
+            self.generation_tokens_total += len(new_ids)
+            lp = result.logprobs.get(rid)
+            if lp is not None and tracked.logprobs is not None:
+                tracked.cumulative_logprob += lp.sampled
+                tracked.logprobs.append({new_ids[0]: lp.sampled, **lp.top})
+            stop_str = tracked.detokenizer.update(new_ids)
+            if stop_str is not None and rid not in finished_ids:
+                self.scheduler.finish_with_reason(request, RequestStatus.FINISHED_STOPPED, stop_str)
+                finished_ids.add(rid)
+            elif stop_str is not None:
+                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+            if rid in finished_ids:
+                outputs.append(self._finish_output(self._tracked.pop(rid)))
+            else:
+                outputs.append(self._output(tracked, finished=False))
+        return outputs
+
+    def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+        request = tracked.request
+        output_ids = request.output_token_ids
+        delta_ids = output_ids[tracked.num_sent_tokens:]
+        tracked.num_sent_tokens = len(output_ids)
+        completion = CompletionOutput(
+            index=0, text=tracked.detokenizer.output_text, token_ids=output_ids,
+            cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
+            finish_reason=request.finish_reason if finished else None,
+            stop_reason=request.stop_reason if finished else None,
+            delta_text=tracked.detokenizer.get_delta(finished), delta_token_ids=delta_ids)
+        return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
+                             [completion], finished,
+                             num_cached_tokens=max(request.num_cached_tokens, 0))
+
+    def _finish_output(self, tracked: _Tracked) -> RequestOutput:
+        self.runner.free(tracked.request.request_id)
+        return self._output(tracked, finished=True)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.get_stats()
+        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+                           kv_cache_usage=s.kv_cache_usage,
+                           prefix_cache_queries=s.prefix_cache_queries,
+                           prefix_cache_hits=s.prefix_cache_hits,
+                           num_preemptions_total=s.num_preemptions_total,
+                           prompt_tokens_total=self.prompt_tokens_total,
+                           generation_tokens_total=self.generation_tokens_total)
+
+    def reset_prefix_cache(self) -> None:
+        self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -1,0 +1,131 @@
+"""SchedulerOutput -> batch tensors -> model forward -> sampled tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.models import AttentionMetadata
+from engine.models.loader import LoadedModel
+from engine.request import Request
+from engine.sampler import Sampler
+from engine.scheduler import SchedulerOutput
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    sampled: float
+    top: dict[int, float]  # top-k alternatives (may include the sampled one)
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, TokenLogprobs]
+
+
+class InjectedFailure(RuntimeError):
+    """Raised by the test-only failure switch."""
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int,
+                 seed: int = 0, inject_failure_at_step: int = 0) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.block_size = block_size
+        self.vocab_size = loaded.vocab_size
+        self.device = next(self.model.parameters()).device
+        shape = (num_kv_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=loaded.dtype, device=self.device),
+                           torch.zeros(shape, dtype=loaded.dtype, device=self.device))
+                          for _ in range(loaded.num_layers)]
+        self.sampler = Sampler(seed)
+        self.inject_failure_at_step = inject_failure_at_step
+        self.num_steps = 0
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        self.num_steps += 1
+        if self.num_steps == self.inject_failure_at_step:
+            raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
+        requests = out.scheduled_requests
+        if not requests:
+            return RunnerOutput({}, {})
+        input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if not sample_reqs:
+            return RunnerOutput({}, {})
+        logits = self.model.compute_logits(hidden[sample_rows])
+        metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
+        result = self.sampler(logits, metadata)
+        token_ids = result.sampled_token_ids.tolist()
+        sampled = {r.request_id: [t] for r, t in zip(sample_reqs, token_ids)}
+        logprobs: dict[str, TokenLogprobs] = {}
+        if result.sampled_logprobs is not None:
+            chosen = result.sampled_logprobs.tolist()
+            top_ids = result.topk_token_ids.tolist() if result.topk_token_ids is not None else None
+            top_vals = result.topk_logprobs.tolist() if result.topk_logprobs is not None else None
+            for row, request in enumerate(sample_reqs):
+                k = request.sampling_params.logprobs
+                if k is None:
+                    continue
+                top = dict(zip(top_ids[row][:k], top_vals[row][:k])) if top_ids and k else {}
+                logprobs[request.request_id] = TokenLogprobs(chosen[row], top)
+        return RunnerOutput(sampled, logprobs)
+
+    def _prepare(self, out: SchedulerOutput):
+        requests = out.scheduled_requests
+        num_scheduled = out.num_scheduled_tokens
+        block_ids = out.block_ids
+        bs = self.block_size
+        token_ids: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_reqs: list[Request] = []
+        sample_flags: list[bool] = []
+        for request in requests:
+            n = num_scheduled[request.request_id]
+            end = request.num_computed_tokens  # already counts this step's tokens
+            if n == 1:
+                token_ids.append(request.all_token_ids[end - 1])
+            else:
+                token_ids.extend(request.all_token_ids[end - n:end])
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(block_ids[request.request_id])
+            done = end >= request.num_tokens
+            sample_flags.append(done)
+            if done:
+                sample_reqs.append(request)
+
+        device = self.device
+        num_seqs = len(requests)
+        q_lens = torch.tensor(query_lens, dtype=torch.int64)
+        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
+        qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
+        torch.cumsum(q_lens, 0, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
+        # Position of each token: its sequence's first new position plus its offset.
+        positions = (s_lens - q_lens)[seq_index] + (torch.arange(num_tokens) - qsl[:-1][seq_index])
+        max_blocks = max(len(t) for t in tables)
+        # Padding entries point at block 0; seq_lens keeps them from being read.
+        block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                   dtype=torch.int32)
+        slot_mapping = (block_table[seq_index, positions // bs].to(torch.int64) * bs + positions % bs)
+        sample_rows = (qsl[1:] - 1)[torch.tensor(sample_flags, dtype=torch.bool)]
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device),
+            block_tables=block_table.to(device),
+            query_start_loc=qsl.to(torch.int32).to(device),
+            seq_lens=s_lens.to(torch.int32).to(device),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
+        return input_ids, positions.to(device), meta, sample_rows.to(device), sample_reqs
+
+    def free(self, request_id: str) -> None:
+        self.sampler.free(request_id)
