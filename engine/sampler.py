@@ -62,17 +62,15 @@ class Sampler:
         if md.min_p is not None:
             apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        # Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i,
-        # and lets each seeded row draw its own q from its own generator.
-        q = torch.empty_like(probs)
-        q.exponential_(generator=self._shared_generator(probs.device))
+            apply_top_k_top_p(logits, md.top_k, md.top_p)
+        # Inverse-CDF sampling needs one uniform per row, so a seeded row draws from its own
+        # generator and its result does not depend on the rest of the batch.
+        device = logits.device
+        uniform = torch.rand(md.num_rows, 1, generator=self._shared_generator(device), device=device)
         for row, request_id, seed in md.seeded_rows:
-            q[row].exponential_(generator=self.state.generator(request_id, seed, probs.device))
-        # q == 0 would turn a masked token's 0/0 into NaN, which argmax would pick.
-        q.clamp_min_(torch.finfo(q.dtype).tiny)
-        sampled = probs.div_(q).argmax(dim=-1)
+            uniform[row] = torch.rand(1, generator=self.state.generator(request_id, seed, device),
+                                      device=device)
+        sampled = sample_from_logits(logits, uniform)
         if greedy_ids is not None:
             sampled = torch.where(md.greedy_rows, greedy_ids, sampled)
         return sampled
@@ -110,31 +108,72 @@ def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
-    """Drops tokens whose probability is below min_p times the row's top probability."""
-    probs = torch.softmax(logits, dim=-1)
-    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
-    logits.masked_fill_(probs < threshold, _NEG_INF)
+    """Drops tokens with probability < min_p * top probability, compared in log space
+    (p_i / p_max = exp(l_i - l_max)) so no softmax pass is needed."""
+    threshold = logits.amax(dim=-1, keepdim=True) + torch.log(min_p).unsqueeze(1)
+    logits.masked_fill_(logits < threshold, _NEG_INF)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
-                      top_p: torch.Tensor | None) -> torch.Tensor:
-    """top_k rows hold vocab_size when off, top_p rows 1.0; ties at the k-th value are kept."""
-    if top_p is None:
-        # No full sort needed: the k-th largest value per row is the cut-off.
-        k_max = int(top_k.max())
-        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k - 1).unsqueeze(1))
-        return logits.masked_fill_(logits < kth, _NEG_INF)
-    sorted_logits, order = logits.sort(dim=-1)  # ascending
+                      top_p: torch.Tensor | None) -> None:
+    """In place. top_k rows hold vocab_size when off, top_p rows 1.0. Both become a per-row
+    cut-off logit (ties with it survive), found among the top candidates when the nucleus
+    fits there, so the full-vocabulary sort (slow on CPU) is only a fallback."""
     vocab = logits.shape[1]
-    if top_k is not None:
-        kth = sorted_logits.gather(1, (vocab - top_k).unsqueeze(1))
-        sorted_logits.masked_fill_(sorted_logits < kth, _NEG_INF)
-    # Drop the low tail whose total mass stays within 1 - p; the top token always survives.
-    tail_mass = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop = tail_mass <= 1.0 - top_p.unsqueeze(1)
-    drop[:, -1] = False
-    sorted_logits.masked_fill_(drop, _NEG_INF)
-    return logits.scatter_(1, order, sorted_logits)
+    limited = top_k is not None and bool((top_k < vocab).any())
+    k_max = int(top_k.masked_fill(top_k >= vocab, 0).max()) if limited else 0
+    if top_p is None:
+        if not limited:
+            return
+        kth = logits.topk(k_max, dim=-1).values.gather(1, (top_k.clamp(max=k_max) - 1).unsqueeze(1))
+        kth.masked_fill_((top_k >= vocab).unsqueeze(1), _NEG_INF)
+        logits.masked_fill_(logits < kth, _NEG_INF)
+        return
+    num_candidates = min(vocab, max(k_max, _TOP_P_CANDIDATES))
+    candidates = logits.topk(num_candidates, dim=-1).values  # descending
+    if limited:
+        kth = candidates.gather(1, (top_k.clamp(max=num_candidates) - 1).unsqueeze(1))
+        kth.masked_fill_((top_k >= vocab).unsqueeze(1), _NEG_INF)
+        logits.masked_fill_(logits < kth, _NEG_INF)
+        candidates.masked_fill_(candidates < kth, _NEG_INF)
+    # Top-p renormalises over what top-k kept, so the denominator comes from the masked row.
+    log_norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+    cutoff, decided = _nucleus_cutoff(candidates, log_norm, top_p)
+    if not bool(decided.all()):
+        rows = (~decided).nonzero().squeeze(1)
+        full = logits[rows].sort(dim=-1, descending=True).values
+        cutoff[rows] = _nucleus_cutoff(full, log_norm[rows], top_p[rows])[0]
+    logits.masked_fill_(logits < cutoff, _NEG_INF)
+
+
+# Enough for the nucleus of a typical LLM distribution at p ~ 0.9; flatter rows fall back.
+_TOP_P_CANDIDATES = 256
+
+
+def _nucleus_cutoff(desc_logits: torch.Tensor, log_norm: torch.Tensor,
+                    top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Smallest logit of the nucleus: a token stays if the mass ranked above it is < p.
+    `decided` is False where the candidates hold less than p, so the cut may lie beyond them."""
+    probs = (desc_logits - log_norm).exp()
+    mass_above = probs.cumsum(dim=-1) - probs
+    p = top_p.unsqueeze(1)
+    num_kept = (mass_above < p).sum(dim=-1, keepdim=True)  # >= 1: the top token has 0 above it
+    cutoff = desc_logits.gather(1, num_kept - 1)
+    cutoff.masked_fill_(p >= 1.0, _NEG_INF)
+    decided = (probs.sum(dim=-1) >= top_p) | (top_p >= 1.0)
+    return cutoff, decided
+
+
+def sample_from_logits(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF per row: the first token whose running weight exceeds u * total.
+    `uniform` is [N, 1] in [0, 1); -inf logits have zero weight and are never picked."""
+    weights = (logits - logits.amax(dim=-1, keepdim=True)).exp_()
+    running = weights.cumsum_(dim=-1)
+    picked = torch.searchsorted(running, uniform * running[:, -1:], right=True)
+    picked = picked.clamp_(max=logits.shape[1] - 1).squeeze(1)
+    # Rounding can land u * total on the total itself, past the last live token.
+    dead = logits.gather(1, picked.unsqueeze(1)).squeeze(1) == _NEG_INF
+    return torch.where(dead, logits.argmax(dim=-1), picked)
 
 
 def _with_logprobs(sampled: torch.Tensor, logprobs: torch.Tensor | None,

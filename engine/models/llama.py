@@ -17,6 +17,7 @@ from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param
 from engine.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+CosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +53,13 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache,
+    def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.split
         # q and k sit side by side in each row, so one strided view rotates both at once.
-        qk = self.rotary(positions, qkv[:, :k_end].view(T, -1, self.head_dim))
+        qk = self.rotary(cos_sin, qkv[:, :k_end].view(T, -1, self.head_dim))
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)
@@ -74,10 +75,10 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, dtype)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, kv_cache, meta)
+        x = self.self_attn(cos_sin, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -99,9 +100,10 @@ class LlamaModel(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         x = F.embedding(input_ids, self.embed_tokens.weight)
+        cos_sin = self.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -95,8 +95,8 @@ def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor
 def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> list[int]:
     """The ids HF `generate` stops on: generation_config.json first, then config, then tokenizer.
 
-    Sources are not merged: the SmolLM2 GGUF's tokenizer names <|im_start|> as EOS, which
-    `generate` ignores in favour of the generation config."""
+    Sources are not merged, as in `generate`: a chat model's tokenizer may name a different
+    special token than the one the model ends its turns with."""
     candidates: list[Any] = []
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
@@ -121,8 +121,11 @@ def _max_context(config: Any) -> int:
     return limit
 
 
-def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = torch.bfloat16
-               ) -> LoadedModel:
+def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = torch.bfloat16,
+               tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+    """Build our model from `model` (HF folder, .gguf file, or None for the embedded default).
+
+    `tokenizer`: a folder to take the tokenizer from instead of the model's."""
     from transformers import AutoConfig, AutoTokenizer
 
     start = time.perf_counter()
@@ -140,13 +143,13 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     with torch.no_grad():
         net.load_weights(iter_checkpoint_tensors(model_dir))
     net.eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
     return LoadedModel(
-        model=net, hf_config=config, tokenizer=tokenizer, model_dir=model_dir,
+        model=net, hf_config=config, tokenizer=tok, model_dir=model_dir,
         dtype=torch_dtype, num_layers=config.num_hidden_layers,
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim_of(config), hidden_size=config.hidden_size,
         vocab_size=config.vocab_size, max_position_embeddings=_max_context(config),
-        eos_token_ids=eos_token_ids(model_dir, config, tokenizer),
+        eos_token_ids=eos_token_ids(model_dir, config, tok),
         load_seconds=time.perf_counter() - start)

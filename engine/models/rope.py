@@ -93,10 +93,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (angles.cos() * mult).to(dtype), persistent=False)
         self.register_buffer("sin", (angles.sin() * mult).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, 1, rot_dim/2] for a batch; gathered once per forward, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (may be a strided view); returns a new contiguous tensor."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = cos_sin
         half = self.rot_dim // 2
         x1, x2 = x[..., :half], x[..., half:self.rot_dim]
         rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)

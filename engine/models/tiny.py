@@ -21,13 +21,15 @@ _ARCH_DEFAULTS = {
     # Llama keeps a separate lm_head and Qwen2 ties it, so both paths get exercised.
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
+    "mistral": dict(tie_word_embeddings=False),
 }
 
 
 def _hf_classes(arch: str):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-    return {"llama": (LlamaConfig, LlamaForCausalLM),
-            "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    import transformers as tf
+    return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+            "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
 
 
 def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0,

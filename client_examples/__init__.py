@@ -1,0 +1,1 @@
+"""Client programs for the Triton `llm` model: gRPC chat, HTTP generate(_stream), serving benchmark."""

@@ -1,0 +1,58 @@
+"""Microbenchmark of the CPU (torch) path: python -m kernels.bench_cpu
+
+Shapes follow the default model (bf16, 9 query / 3 KV heads, head_dim 64, block 16).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kernels import paged_attention, reshape_and_cache
+from kernels.testing import make_paged_batch
+
+
+def microseconds_per_call(fn, repeats: int) -> float:
+    fn()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - start) / repeats * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: keep default)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    heads, kv_heads, head_dim, block = 9, 3, 64, 16
+    print(f"torch threads: {torch.get_num_threads()}")
+
+    decode = make_paged_batch([args.context] * args.batch, [1] * args.batch, heads, kv_heads,
+                              head_dim, block, dtype=torch.bfloat16)
+    us = microseconds_per_call(lambda: paged_attention(*decode.attention_args()), args.repeats)
+    kv_bytes = 2 * args.batch * args.context * kv_heads * head_dim * 2
+    print(f"decode attention  batch {args.batch} x ctx {args.context}: {us:9.0f} us/call "
+          f"({kv_bytes / us / 1e3:.1f} GB/s of K/V)")
+
+    seqs = args.batch // 2
+    mixed = make_paged_batch([args.context] * seqs + [args.context] * 2, [1] * seqs + [128, 256],
+                             heads, kv_heads, head_dim, block, dtype=torch.bfloat16)
+    us = microseconds_per_call(lambda: paged_attention(*mixed.attention_args()), args.repeats)
+    print(f"mixed attention   {seqs} decodes + chunks 128/256 at ctx {args.context}: {us:9.0f} us/call")
+
+    tokens = args.batch
+    key = torch.randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16)
+    slots = torch.randperm(decode.key_cache.shape[0] * block)[:tokens]
+    us = microseconds_per_call(lambda: reshape_and_cache(key, key, decode.key_cache,
+                                                         decode.value_cache, slots), args.repeats)
+    print(f"reshape_and_cache {tokens} tokens: {us:9.0f} us/call")
+
+
+if __name__ == "__main__":
+    main()

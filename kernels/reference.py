@@ -1,0 +1,167 @@
+"""Torch implementations of the paged KV-cache ops.
+
+This is the engine's CPU production path (every layer, every step) and the ground
+truth the Triton kernels are tested against. Layout and semantics: docs/CONTRACTS.md.
+
+Decode rows (one query token per sequence) are handled for the whole batch at once;
+each prefill chunk (query length > 1) goes through scaled_dot_product_attention with
+its own causal mask, since its keys also include previously cached tokens.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Up to this many KV heads the decode path multiplies against a block-diagonal query
+# matrix: one large contiguous GEMM per sequence beats KVH tiny strided ones on CPU
+# even though it does KVH times the (cheap) arithmetic. Beyond it the wasted FLOPs win.
+BLOCK_DIAGONAL_MAX_KV_HEADS = 4
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write each token's K and V into its slot; slot -1 (padding) is skipped."""
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    flat_keys = key_cache.view(-1, num_kv_heads, head_dim)
+    flat_values = value_cache.view(-1, num_kv_heads, head_dim)
+    slots = slot_mapping.long()
+    if slots.numel() and int(slots.min()) < 0:
+        valid = slots >= 0
+        slots, key, value = slots[valid], key[valid], value[valid]
+    flat_keys.index_copy_(0, slots, key)
+    flat_values.index_copy_(0, slots, value)
+
+
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                    max_seq_len: int) -> torch.Tensor:
+    """Causal attention of each sequence's query chunk over its paged context.
+
+    Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
+    there is one query row per sequence, the batch is pure decode and skips all
+    per-sequence bookkeeping. max_seq_len is not needed on CPU.
+    """
+    num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
+    if max_query_len == 1 and num_tokens == num_seqs and int(query_start_loc[-1]) == num_tokens:
+        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    _check_lengths(query_lens, seq_lens)
+    out = torch.empty_like(query)
+    total_tokens = int(query_start_loc[-1])
+    if total_tokens < num_tokens:
+        out[total_tokens:].zero_()
+    is_decode = query_lens == 1
+    if bool(is_decode.any()):
+        seq_ids = is_decode.nonzero().squeeze(1)
+        rows = query_start_loc[:-1].long().index_select(0, seq_ids)
+        decoded = decode_attention(query.index_select(0, rows), key_cache, value_cache,
+                                   block_tables.index_select(0, seq_ids),
+                                   seq_lens.index_select(0, seq_ids), scale)
+        out.index_copy_(0, rows, decoded)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    capacity = block_tables.shape[1] * key_cache.shape[1]
+    for seq, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+        if end - start > 1:
+            if lengths[seq] > capacity:
+                raise ValueError(f"seq_lens: {lengths[seq]} exceeds what block_tables can "
+                                 f"address ({capacity})")
+            out[start:end] = prefill_attention(query[start:end], key_cache, value_cache,
+                                               block_tables[seq], lengths[seq], scale)
+    return out
+
+
+def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    if bool((query_lens < 0).any()):
+        raise ValueError("query_start_loc: must be non-decreasing")
+    if bool((seq_lens < query_lens).any()):
+        raise ValueError("seq_lens: each sequence's length must include its query tokens")
+
+
+def gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of `cache` for the given blocks, [len(block_ids) * block_size, KVH * D].
+
+    index_select on whole flattened blocks is several times faster on CPU than
+    advanced indexing of the 4-D cache.
+    """
+    num_blocks, block_size = cache.shape[0], cache.shape[1]
+    rows = cache.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+    return rows.view(-1, cache.shape[2] * cache.shape[3])
+
+
+def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """One query token per sequence: query [N, H, D] -> [N, H, D]."""
+    num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    shortest, longest = (int(x) for x in torch.aminmax(seq_lens))
+    if shortest < 1:
+        raise ValueError("seq_lens: a decode row's sequence must hold at least its own token")
+    num_blocks = -(-longest // block_size)
+    if num_blocks > block_tables.shape[1]:
+        raise ValueError(f"seq_lens: {longest} exceeds what block_tables can address "
+                         f"({block_tables.shape[1] * block_size})")
+    context = num_blocks * block_size
+    block_ids = block_tables[:, :num_blocks]
+    keys = gather_context(key_cache, block_ids).view(num_seqs, context, num_kv_heads * head_dim)
+    values = gather_context(value_cache, block_ids).view(num_seqs, context, num_kv_heads * head_dim)
+    padding = None
+    if shortest < context:
+        padding = torch.arange(context, device=query.device) >= seq_lens[:, None].long()
+
+    if num_kv_heads > BLOCK_DIAGONAL_MAX_KV_HEADS:
+        out = F.scaled_dot_product_attention(
+            query.view(num_seqs, num_kv_heads, group, head_dim),
+            keys.view(num_seqs, context, num_kv_heads, head_dim).transpose(1, 2),
+            values.view(num_seqs, context, num_kv_heads, head_dim).transpose(1, 2),
+            attn_mask=None if padding is None else ~padding.view(num_seqs, 1, 1, context),
+            scale=scale)
+        return out.reshape(num_seqs, num_heads, head_dim)
+
+    # The scale goes on the small query side rather than on the [N, H, context] scores.
+    if num_kv_heads == 1:
+        queries = query * scale
+    else:
+        # queries[n, (kv, g), (kv', d)] = scale * query[n, kv * group + g, d] if kv == kv' else 0
+        queries = query.new_zeros(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+        queries.diagonal(dim1=1, dim2=3).copy_(
+            query.view(num_seqs, num_kv_heads, group, head_dim).permute(0, 2, 3, 1))
+        queries = queries.view(num_seqs, num_heads, num_kv_heads * head_dim).mul_(scale)
+    scores = torch.bmm(queries, keys.transpose(1, 2))
+    if padding is not None:
+        scores.masked_fill_(padding[:, None, :], float("-inf"))
+    # softmax of bf16/fp16 input computes in float32 internally and rounds once at the end.
+    out = torch.bmm(torch.softmax(scores, dim=-1), values)
+    if num_kv_heads == 1:
+        return out
+    out = out.view(num_seqs, num_kv_heads, group, num_kv_heads, head_dim)
+    return out.diagonal(dim1=1, dim2=3).permute(0, 3, 1, 2).reshape(num_seqs, num_heads, head_dim)
+
+
+def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence's query chunk [Q, H, D], the last Q of its seq_len positions."""
+    query_len, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_ids = block_table[: -(-seq_len // block_size)]
+    keys = gather_context(key_cache, block_ids)[:seq_len].view(seq_len, num_kv_heads, 1, head_dim)
+    values = gather_context(value_cache, block_ids)[:seq_len].view(seq_len, num_kv_heads, 1, head_dim)
+    # Expanding K/V to every query head costs a copy of the context, small next to the
+    # Q x context work, and keeps SDPA on its fused CPU kernel.
+    # SDPA's fused CPU kernel only takes 4-D [batch, heads, len, dim]; 3-D falls back to math.
+    keys = keys.expand(-1, -1, group, -1).reshape(1, seq_len, num_heads, head_dim).transpose(1, 2)
+    values = values.expand(-1, -1, group, -1).reshape(1, seq_len, num_heads, head_dim).transpose(1, 2)
+    queries = query.unsqueeze(0).transpose(1, 2)
+    if query_len == seq_len:
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    else:
+        # Query j sits at position seq_len - query_len + j: causal aligned bottom-right.
+        positions = torch.arange(seq_len - query_len, seq_len, device=query.device)
+        allowed = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,35 @@
+"""Small Triton helpers shared by the attention kernels."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, FP32_DOT: tl.constexpr):
+    """tl.dot with fp32 operands and exact products when FP32_DOT is set.
+
+    FP32_DOT is used for fp32 caches (so the GPU does not silently drop to TF32) and
+    under TRITON_INTERPRET=1, whose bf16 tl.dot returns garbage (seen on triton 3.9).
+    Callers round probabilities to the value dtype before calling, so the interpreter
+    sees the same rounded operands the GPU multiplies.
+    """
+    if FP32_DOT:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, block_table_row_ptr, positions, valid, kv_head, dims,
+                 BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[len(positions), DIM_P2] K or V rows of one KV head, read through the block table.
+
+    Every position resolves its own block id, so a tile may span several pages and
+    any block_size works; masked positions read nothing and come back as 0.
+    """
+    block_ids = tl.load(block_table_row_ptr + positions // BLOCK_SIZE, mask=valid, other=0)
+    rows = (block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
+    mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+    return tl.load(cache_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)

