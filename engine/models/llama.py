@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param
+from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
 from engine.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -125,13 +125,22 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = self.model.embed_tokens.weight
         else:
             self.lm_head_weight = empty_param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.lm_head_packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
+
+    def prepack(self) -> None:
+        """Re-lay weights for the CPU matmul library once loading is done (no-op
+        elsewhere). Must run after load_weights: packed copies do not track edits."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepack()
+        self.lm_head_packed = prepack_weight(self.lm_head_weight)
 
     def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
         attn = self.model.layers[0].self_attn

@@ -143,6 +143,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     with torch.no_grad():
         net.load_weights(iter_checkpoint_tensors(model_dir))
     net.eval()
+    net.prepack()
     tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
     return LoadedModel(
         model=net, hf_config=config, tokenizer=tok, model_dir=model_dir,

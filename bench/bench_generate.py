@@ -1,0 +1,167 @@
+"""Offline throughput: this engine's LLM.generate vs HF transformers, same machine,
+same prompts, one run. Prints output tokens/s and the ratios side by side.
+
+  python -m bench.bench_generate                      # both workloads, bf16
+  python -m bench.bench_generate --workload fixed --skip-hf
+
+Workloads (greedy, ignore_eos so lengths are exact):
+  fixed     64 prompts (32-64 tokens) x 128 new tokens  (the peers' workload, DESIGN.md 8)
+  variable  64 prompts of 64-512 tokens, outputs drawn uniformly from 16-256 tokens
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.models import default_model_dir
+
+# Measured on this machine class by the team (DESIGN.md section 8), for context only.
+VLLM_CPU_BF16_FIXED_TOK_S = 977.0
+WORDS = ("time person year way day thing man world life hand part child eye woman place work "
+         "week case point government company number group problem fact be have do say get make "
+         "go know take see come think look want give use find tell ask seem feel try leave call "
+         "good new first last long great little own other old right big high different small").split()
+
+
+@dataclass
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    max_tokens: list[int]
+
+    @property
+    def total_output(self) -> int:
+        return sum(self.max_tokens)
+
+
+def make_workload(name: str, tokenizer, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts, outs = [], []
+    for _ in range(64):
+        if name == "fixed":
+            plen, olen = rng.randint(32, 64), 128
+        else:
+            plen, olen = rng.randint(64, 512), rng.randint(16, 256)
+        text = " ".join(rng.choice(WORDS) for _ in range(plen * 2))
+        prompts.append(tokenizer.encode(text)[:plen])
+        outs.append(olen)
+    return Workload(name, prompts, outs)
+
+
+def run_engine(llm: LLM, w: Workload) -> float:
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
+    llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(w.prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == w.total_output
+    return w.total_output / dt
+
+
+def run_hf_static(model, w: Workload, batch: int, pad_id: int) -> float:
+    """Fixed batches, left-padded; each batch runs to its longest output, and only the
+    tokens each request asked for count."""
+    t0 = time.perf_counter()
+    for start in range(0, len(w.prompts), batch):
+        chunk = w.prompts[start:start + batch]
+        want = max(w.max_tokens[start:start + batch])
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=mask, max_new_tokens=want, min_new_tokens=want,
+                           do_sample=False, pad_token_id=pad_id)
+    return w.total_output / (time.perf_counter() - t0)
+
+
+def run_hf_single(model, w: Workload, count: int) -> float:
+    t0 = time.perf_counter()
+    produced = 0
+    for prompt, n in list(zip(w.prompts, w.max_tokens))[:count]:
+        with torch.inference_mode():
+            model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        produced += n
+    return produced / (time.perf_counter() - t0)
+
+
+def single_stream(llm: LLM, prompt: list[int], n: int = 128) -> float:
+    params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    t0 = time.perf_counter()
+    llm.generate([prompt], params, use_tqdm=False)
+    return n / (time.perf_counter() - t0)
+
+
+def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * num_bytes / best / 1e9  # read + write
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["fixed", "variable", "all"], default="all")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--hf-batch", type=int, default=64)
+    ap.add_argument("--hf-single-count", type=int, default=3,
+                    help="requests timed for HF one-at-a-time (tok/s extrapolates)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    args = ap.parse_args()
+
+    llm = LLM(None, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048)
+    tok = llm.get_tokenizer()
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(default_model_dir(),
+                                                  torch_dtype=getattr(torch, args.dtype)).eval()
+        hf.generation_config.eos_token_id = None
+
+    names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
+    rows = []
+    for name in names:
+        w = make_workload(name, tok)
+        ours = run_engine(llm, w)
+        static = run_hf_static(hf, w, args.hf_batch, tok.pad_token_id or 0) if hf else None
+        single = run_hf_single(hf, w, args.hf_single_count) if hf else None
+        rows.append((name, ours, static, single))
+
+    print(f"\nthreads={torch.get_num_threads()} dtype={args.dtype}  (output tokens/s)")
+    print(f"{'workload':<10}{'engine':>10}{'HF static':>11}{'HF single':>11}"
+          f"{'vs static':>11}{'vs single':>11}{'vs vLLM*':>10}")
+    for name, ours, static, single in rows:
+        vs_static = f"{ours / static:.2f}x" if static else "-"
+        vs_single = f"{ours / single:.2f}x" if single else "-"
+        vs_vllm = f"{ours / VLLM_CPU_BF16_FIXED_TOK_S:.2f}x" if name == "fixed" else "-"
+        print(f"{name:<10}{ours:>10.1f}{static or float('nan'):>11.1f}{single or float('nan'):>11.1f}"
+              f"{vs_static:>11}{vs_single:>11}{vs_vllm:>10}")
+    print(f"* vLLM CPU 0.32 bf16 on the fixed workload: {VLLM_CPU_BF16_FIXED_TOK_S:.0f} tok/s, "
+          f"measured separately on this machine class (DESIGN.md section 8)")
+
+    prompt = make_workload("fixed", tok).prompts[0]
+    stream = single_stream(llm, prompt)
+    weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.runner.model.parameters())
+    bw = copy_bandwidth_gbs()
+    roofline = bw * 1e9 / weight_bytes
+    print(f"\nsingle stream decode: {stream:.1f} tok/s; roofline {roofline:.1f} tok/s "
+          f"({weight_bytes / 1e6:.0f} MB weights per step / {bw:.1f} GB/s copy bandwidth) "
+          f"= {stream / roofline:.0%} of roofline")
+
+
+if __name__ == "__main__":
+    main()
