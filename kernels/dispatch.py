@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import reference
+from kernels import cpu_native, reference
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -36,4 +36,12 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                                           max_seq_len)
     return reference.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale, max_query_len,
-                                     max_seq_len)
+                                     max_seq_len, decode=_cpu_decode)
+
+
+def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    if out is None:
+        out = reference.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                         scale)
+    return out

@@ -35,16 +35,18 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int) -> torch.Tensor:
+                    max_seq_len: int, decode=None) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
     Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
     there is one query row per sequence, the batch is pure decode and skips all
-    per-sequence bookkeeping. max_seq_len is not needed on CPU.
+    per-sequence bookkeeping. max_seq_len is not needed on CPU. `decode`: a faster
+    implementation of decode_attention (same signature) to use for the decode rows.
     """
+    decode = decode or decode_attention
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if max_query_len == 1 and num_tokens == num_seqs and int(query_start_loc[-1]) == num_tokens:
-        return decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     _check_lengths(query_lens, seq_lens)
@@ -56,7 +58,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if bool(is_decode.any()):
         seq_ids = is_decode.nonzero().squeeze(1)
         rows = query_start_loc[:-1].long().index_select(0, seq_ids)
-        decoded = decode_attention(query.index_select(0, rows), key_cache, value_cache,
+        decoded = decode(query.index_select(0, rows), key_cache, value_cache,
                                    block_tables.index_select(0, seq_ids),
                                    seq_lens.index_select(0, seq_ids), scale)
         out.index_copy_(0, rows, decoded)
