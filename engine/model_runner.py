@@ -56,8 +56,8 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_reqs:
             return RunnerOutput({}, {})
-        logits = self.model.compute_logits(hidden[sample_rows])
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
+        logits = self.model.compute_logits(hidden[sample_rows], upcast=not metadata.argmax_only)
         result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sample_reqs, token_ids)}
