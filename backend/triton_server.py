@@ -1,0 +1,177 @@
+"""Run NVIDIA's tritonserver from the nvidia-pytriton wheel without Docker.
+
+Shared by scripts/serve.py and the e2e test launcher so both start the server the
+same way. Pure stdlib: it must work before the engine's heavy imports and must not
+import Triton's python-backend utils.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SERVER_DIR = REPO_ROOT / ".triton" / "server"
+
+
+def _pytriton_root() -> Path:
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("nvidia-pytriton is not installed; run scripts/setup.sh")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def wheel_libs_dir() -> Path:
+    # auditwheel puts the server's shared libraries next to the package.
+    return _pytriton_root().parent / "nvidia_pytriton.libs"
+
+
+def prepare_server_dir(target: Path = DEFAULT_SERVER_DIR) -> Path:
+    """Lay out bin/ and backends/ with the stub for this Python, once.
+
+    The wheel keeps one stub per Python version in python_backend_stubs/; the python
+    backend looks for triton_python_backend_stub inside its own folder, so the stub
+    matching the venv's interpreter is copied there. A marker file makes later calls
+    free (the warm path of serve)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    marker = target / f".ready-{version}"
+    if marker.exists():
+        return target
+    source = _pytriton_root() / "tritonserver"
+    stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"the pytriton wheel has no python backend stub for Python {version}")
+    staging = target.with_name(target.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(source, staging, ignore=shutil.ignore_patterns("python_backend_stubs", "__pycache__"))
+    shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    marker.touch()
+    return target
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class ServerPorts:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> "ServerPorts":
+        return cls(free_port(), free_port(), free_port())
+
+
+@dataclass(slots=True)
+class TritonServer:
+    """One tritonserver process serving `model_repository`."""
+    model_repository: Path
+    ports: ServerPorts = field(default_factory=ServerPorts)
+    log_path: Path | None = None
+    host: str = "127.0.0.1"
+    extra_args: list[str] = field(default_factory=list)
+    # Searched before the repository root by the models' Python.
+    pythonpath: list[str] = field(default_factory=list)
+    server_dir: Path = DEFAULT_SERVER_DIR
+    process: subprocess.Popen | None = None
+    _log_file: object = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.host}:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.host}:{self.ports.grpc}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.host}:{self.ports.metrics}/metrics"
+
+    def command(self) -> list[str]:
+        return [str(self.server_dir / "bin" / "tritonserver"),
+                f"--model-repository={self.model_repository}",
+                f"--backend-directory={self.server_dir / 'backends'}",
+                f"--http-address={self.host}", f"--http-port={self.ports.http}",
+                f"--grpc-address={self.host}", f"--grpc-port={self.ports.grpc}",
+                f"--metrics-address={self.host}", f"--metrics-port={self.ports.metrics}",
+                "--allow-metrics=true", "--allow-gpu-metrics=false", "--allow-cpu-metrics=false",
+                *self.extra_args]
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        libs = str(wheel_libs_dir())
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH")) if p)
+        # The stub runs `python` semantics from PATH: the venv first makes model.py
+        # import the venv's torch/transformers, and the repo on PYTHONPATH makes
+        # `import backend` resolve to this checkout.
+        venv_bin = str(Path(sys.executable).parent)
+        env["PATH"] = os.pathsep.join((venv_bin, env.get("PATH", "")))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (*self.pythonpath, str(REPO_ROOT), env.get("PYTHONPATH")) if p)
+        return env
+
+    def start(self) -> "TritonServer":
+        prepare_server_dir(self.server_dir)
+        if self.log_path is not None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = open(self.log_path, "wb")
+            out = self._log_file
+        else:
+            out = None  # inherit: serve prints the server log on its console
+        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        # The stub puts the working folder first on sys.path;
+                                        # this one holds no Python packages to shadow ours.
+                                        cwd=self.server_dir)
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def wait_ready(self, timeout: float = 300.0) -> float:
+        """Blocks until the server answers ready; returns the seconds waited."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} "
+                                   f"before becoming ready{self._log_hint()}")
+            if self.is_ready():
+                return time.monotonic() - start
+            time.sleep(0.25)
+        raise TimeoutError(f"tritonserver not ready after {timeout:.0f} s{self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        return f"; log: {self.log_path}" if self.log_path else ""
+
+    def stop(self, timeout: float = 30.0) -> None:
+        proc = self.process
+        if proc is not None and proc.poll() is None:
+            # SIGINT lets Triton unload models, which runs each model's finalize.
+            proc.send_signal(2)
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None

@@ -1,0 +1,2 @@
+# The model code lives in the backend package (backend/tokenizer_models.py).
+from backend.tokenizer_models import PreprocessingModel as TritonPythonModel  # noqa: F401

@@ -1,0 +1,85 @@
+"""One real tritonserver per test session, serving a temp copy of model_repository
+whose engine models run a tiny random-weight Llama (plus a faulty and a default
+SmolLM2 copy of `llm`). Logs go to test-logs/ when a test fails."""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from backend.repository_layout import copy_repository
+from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
+from tests.e2e.shared import DEFAULT_MODEL_ARGS, FAILURE_STEP, TINY_ENGINE_ARGS
+
+@dataclass
+class Server:
+    handle: TritonServer
+    model_dir: Path
+
+    @property
+    def grpc(self) -> str:
+        return self.handle.grpc_url
+
+    @property
+    def http(self) -> str:
+        return f"http://{self.handle.http_url}"
+
+    @property
+    def metrics(self) -> str:
+        return self.handle.metrics_url
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if outcome.get_result().failed:
+        item.session.e2e_failed = True
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    from engine.models.tiny import make_tiny_model_dir
+
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def server(request, tmp_path_factory, tiny_model_dir) -> Server:
+    work = tmp_path_factory.mktemp("triton")
+    tiny = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS}
+    repo = copy_repository(
+        REPO_ROOT / "model_repository", work / "models",
+        models=["llm", "tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
+        renames={"llm_faulty": "llm", "llm_default": "llm"},
+        params={"llm": tiny, "tensorrt_llm": tiny,
+                "llm_faulty": {**tiny, "inject_failure_at_step": str(FAILURE_STEP)},
+                "llm_default": {"model": "", **DEFAULT_MODEL_ARGS},
+                "preprocessing": {"tokenizer": str(tiny_model_dir)},
+                "postprocessing": {"tokenizer": str(tiny_model_dir)}})
+    log = work / "tritonserver.log"
+    handle = TritonServer(repo, ServerPorts.free(), log_path=log,
+                          extra_args=["--log-verbose=0", "--exit-timeout-secs=15"])
+    handle.start()
+    ready = False
+    try:
+        handle.wait_ready(timeout=420)
+        ready = True
+        yield Server(handle, tiny_model_dir)
+    finally:
+        handle.stop()
+        if getattr(request.session, "e2e_failed", False) or not ready:
+            target = REPO_ROOT / "test-logs"
+            target.mkdir(exist_ok=True)
+            shutil.copyfile(log, target / f"e2e-tritonserver-{time.strftime('%Y%m%d-%H%M%S')}.log")
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_model_dir):
+    """The in-process engine the served text must equal."""
+    from engine import LLM
+
+    return LLM(model=str(tiny_model_dir), **TINY_ENGINE_ARGS)
+

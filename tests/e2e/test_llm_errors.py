@@ -1,0 +1,100 @@
+"""Bad requests, engine failures: one clear FINAL error each, nobody else affected."""
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import requests
+
+from tests.e2e.shared import PROMPTS, greedy
+from tests.e2e.triton_clients import infer_many, infer_one, llm_inputs
+
+pytestmark = pytest.mark.slow
+
+# (case, JSON body for HTTP generate, expected fragment of the error message)
+BAD_HTTP = [
+    ("bad JSON", {"text_input": "hi", "sampling_parameters": "{max_tokens: 3"}, "not valid JSON"),
+    ("not an object", {"text_input": "hi", "sampling_parameters": "[1, 2]"}, "JSON object"),
+    ("unknown key", {"text_input": "hi", "parameters": {"max_tokenz": 3}}, "max_tokenz"),
+    ("negative temperature", {"text_input": "hi", "parameters": {"temperature": -1}}, "temperature"),
+    ("top_p out of range", {"text_input": "hi", "sampling_parameters": '{"top_p": "1.5"}'}, "top_p"),
+    ("non-numeric", {"text_input": "hi", "sampling_parameters": '{"max_tokens": "many"}'}, "max_tokens"),
+    ("min above max", {"text_input": "hi", "parameters": {"max_tokens": 2, "min_tokens": 5}}, "min_tokens"),
+    ("bad boolean", {"text_input": "hi", "parameters": {"ignore_eos": "maybe"}}, "ignore_eos"),
+    ("stream without exclude", {"text_input": "hi", "stream": True, "exclude_input_in_output": False},
+     "exclude_input_in_output"),
+    ("prompt over max_model_len", {"text_input": "hello " * 600}, "max_model_len"),
+    ("empty prompt", {"text_input": ""}, "empty"),
+]
+
+
+@pytest.mark.parametrize("case,body,fragment", BAD_HTTP, ids=[c[0] for c in BAD_HTTP])
+def test_bad_request_gets_invalid_arg(server, case, body, fragment):
+    r = requests.post(f"{server.http}/v2/models/llm/generate", json=body, timeout=60)
+    assert r.status_code == 400, (case, r.status_code, r.text)  # INVALID_ARG
+    assert fragment in r.json()["error"], r.text
+
+
+def test_triton_rejects_missing_input_and_wrong_dtype(server):
+    r = requests.post(f"{server.http}/v2/models/llm/generate", json={"parameters": {"max_tokens": 3}},
+                      timeout=60)
+    assert r.status_code == 400 and "text_input" in r.json()["error"]
+    wrong = {"text_input": np.array([1], dtype=np.int32)}
+    outcome = infer_one(server.grpc, "llm", wrong)
+    assert outcome.error and "text_input" in outcome.error
+
+
+def test_bad_requests_do_not_disturb_good_ones(server, reference):
+    expected = reference.generate(PROMPTS[:4], greedy(48))
+    results = {}
+
+    def good():
+        results["good"] = infer_many(server.grpc, "llm", [
+            llm_inputs(p, {"temperature": 0, "max_tokens": 48}, stream=True) for p in PROMPTS[:4]])
+
+    thread = threading.Thread(target=good)
+    thread.start()
+    bad = [infer_one(server.grpc, "llm", llm_inputs("hi", sampling))
+           for sampling in ({"temperature": "hot"}, {"top_k": -5}, {"stop": 7}, {"nope": 1})] * 2
+    bad.append(infer_one(server.grpc, "llm", {
+        "text_input": np.array([b"hi"], dtype=np.object_),
+        "sampling_parameters": np.array([b"{oops"], dtype=np.object_)}))
+    thread.join(timeout=120)
+    assert all(b.error and not b.responses for b in bad), [b.error for b in bad]
+    assert [o.text for o in results["good"]] == [e.outputs[0].text for e in expected]
+
+
+def test_engine_failure_errors_in_flight_requests_and_model_recovers(server, reference):
+    from tests.e2e.shared import FAILURE_STEP
+
+    # The faulty copy raises inside the engine's step FAILURE_STEP once. Requests that
+    # run in that step get an error; the model then serves normally.
+    expected = reference.generate(PROMPTS[:3], greedy(30))
+    threads, outcomes = [], {}
+    for i, prompt in enumerate(PROMPTS[:3]):
+        t = threading.Thread(target=lambda i=i, p=prompt: outcomes.__setitem__(
+            i, infer_one(server.grpc, "llm_faulty", llm_inputs(p, {"temperature": 0, "max_tokens": 30},
+                                                               stream=True))))
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(timeout=120)
+    failed = [o for o in outcomes.values() if o.error]
+    assert failed, f"no request failed at step {FAILURE_STEP}"
+    for i, outcome in outcomes.items():
+        assert outcome.final
+        if outcome.error:
+            assert "engine step failed" in outcome.error
+        else:
+            assert outcome.text == expected[i].outputs[0].text
+    again = infer_many(server.grpc, "llm_faulty", [
+        llm_inputs(p, {"temperature": 0, "max_tokens": 30}, stream=True) for p in PROMPTS[:3]])
+    assert [o.text for o in again] == [e.outputs[0].text for e in expected]
+    r = requests.post(f"{server.http}/v2/models/llm_faulty/generate",
+                      json={"text_input": PROMPTS[0], "parameters": {"temperature": 0, "max_tokens": 30,
+                                                                    "exclude_input_in_output": True}},
+                      timeout=60)
+    assert r.status_code == 200 and r.json()["text_output"] == expected[0].outputs[0].text
+    assert requests.get(f"{server.http}/v2/models/llm_faulty/ready", timeout=10).status_code == 200

@@ -1,0 +1,26 @@
+"""backend.config_params: config.pbtxt parameters -> EngineConfig + backend options."""
+from __future__ import annotations
+
+import pytest
+
+from backend.config_params import split_parameters
+
+
+def test_engine_and_backend_parameters_are_split():
+    config, options = split_parameters({"model": "", "max_num_seqs": "8", "enable_prefix_caching": "false",
+                                        "REPORT_CUSTOM_METRICS": "yes", "DRAIN_TIMEOUT_S": "2.5"})
+    assert config.model is None and config.scheduler.max_num_seqs == 8
+    assert config.cache.enable_prefix_caching is False
+    assert options.report_custom_metrics and options.drain_timeout_s == 2.5
+
+
+@pytest.mark.parametrize("params,fragment", [
+    ({"max_num_seqs": "lots"}, "max_num_seqs"),
+    ({"max_num_seqs": "0"}, "max_num_seqs"),
+    ({"policy": "random"}, "policy"),
+    ({"no_such_arg": "1"}, "no_such_arg"),
+    ({"REPORT_CUSTOM_METRICS": "perhaps"}, "REPORT_CUSTOM_METRICS"),
+])
+def test_bad_parameter_is_named(params, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        split_parameters(params)

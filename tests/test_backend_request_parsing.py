@@ -1,0 +1,107 @@
+"""backend.request_parsing: the llm model's request rules, without a server."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from backend.request_parsing import InvalidRequest, parse_llm_request, parse_sampling_parameters
+
+
+def tensors(prompt="hi", sampling=None, **flags):
+    out = {"text_input": np.array([prompt.encode()], dtype=np.object_)}
+    if sampling is not None:
+        text = sampling if isinstance(sampling, str) else json.dumps(sampling)
+        out["sampling_parameters"] = np.array([text.encode()], dtype=np.object_)
+    for name, value in flags.items():
+        out[name] = np.array([value], dtype=np.bool_)
+    return out
+
+
+def test_string_values_are_converted():
+    p = parse_sampling_parameters({"max_tokens": "32", "min_tokens": "32", "temperature": "0.5",
+                                   "top_k": "-1", "ignore_eos": "false", "stop": '["a", "b"]',
+                                   "stop_token_ids": "[2, 3]", "seed": "7", "logprobs": "null"})
+    assert (p.max_tokens, p.min_tokens, p.temperature, p.top_k, p.ignore_eos) == (32, 32, 0.5, 0, False)
+    assert p.stop == ["a", "b"] and p.stop_token_ids == [2, 3] and p.seed == 7 and p.logprobs is None
+
+
+def test_typed_values_and_single_stop_string():
+    p = parse_sampling_parameters({"max_tokens": 8, "temperature": 0, "ignore_eos": True, "stop": "\n"})
+    assert (p.max_tokens, p.temperature, p.ignore_eos, p.stop) == (8, 0.0, True, ["\n"])
+
+
+@pytest.mark.parametrize("params,fragment", [
+    ({"max_tokenz": 3}, "max_tokenz"),
+    ({"temperature": -1}, "temperature"),
+    ({"top_p": "1.5"}, "top_p"),
+    ({"max_tokens": "many"}, "max_tokens"),
+    ({"max_tokens": 2.5}, "max_tokens"),
+    ({"max_tokens": True}, "max_tokens"),
+    ({"ignore_eos": "maybe"}, "ignore_eos"),
+    ({"n": 2}, "'n'"),
+    ({"use_beam_search": "true"}, "use_beam_search"),
+    ({"stop": [1]}, "stop"),
+    ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+])
+def test_bad_values_name_the_field(params, fragment):
+    with pytest.raises(InvalidRequest, match=fragment):
+        parse_sampling_parameters(params)
+
+
+def test_vllm_defaults_accepted_at_their_neutral_value():
+    assert parse_sampling_parameters({"n": "1", "best_of": 1, "use_beam_search": False}).max_tokens == 16
+
+
+def test_defaults_follow_vllm_backend():
+    r = parse_llm_request(tensors())
+    assert not r.stream and not r.exclude_input_in_output and r.params.max_tokens == 16
+    r = parse_llm_request(tensors(stream=True))
+    assert r.stream and r.exclude_input_in_output
+
+
+def test_streaming_with_prompt_prepended_is_an_error():
+    with pytest.raises(InvalidRequest, match="exclude_input_in_output"):
+        parse_llm_request(tensors(stream=True, exclude_input_in_output=False))
+
+
+def test_request_parameters_fallback_and_switches():
+    r = parse_llm_request(tensors(), json.dumps({"max_tokens": 5, "temperature": 0, "stream": True,
+                                                 "return_finish_reason": "true"}))
+    assert r.params.max_tokens == 5 and r.stream and r.exclude_input_in_output and r.returns.finish_reason
+
+
+def test_sampling_parameters_input_wins_over_request_parameters():
+    r = parse_llm_request(tensors(sampling={"max_tokens": 3}), json.dumps({"max_tokens": 9}))
+    assert r.params.max_tokens == 3
+
+
+def test_input_tensor_wins_over_parameter_switch():
+    r = parse_llm_request(tensors(stream=False), json.dumps({"stream": True}))
+    assert not r.stream
+
+
+@pytest.mark.parametrize("raw,fragment", [("{oops", "not valid JSON"), ("[1]", "JSON object"),
+                                          (b"\xff", "UTF-8")])
+def test_bad_sampling_json(raw, fragment):
+    t = tensors()
+    t["sampling_parameters"] = np.array([raw if isinstance(raw, bytes) else raw.encode()], dtype=np.object_)
+    with pytest.raises(InvalidRequest, match=fragment):
+        parse_llm_request(t)
+
+
+def test_prompt_checks():
+    with pytest.raises(InvalidRequest, match="text_input"):
+        parse_llm_request({})
+    with pytest.raises(InvalidRequest, match="UTF-8"):
+        parse_llm_request({"text_input": np.array([b"\xc3"], dtype=np.object_)})
+    with pytest.raises(InvalidRequest, match="exactly one"):
+        parse_llm_request({"text_input": np.array([b"a", b"b"], dtype=np.object_)})
+
+
+def test_logprob_outputs_imply_sampled_logprobs():
+    r = parse_llm_request(tensors(return_cumulative_logprob=True))
+    assert r.params.logprobs == 0
+    r = parse_llm_request(tensors(sampling={"logprobs": 3}, return_logprobs=True))
+    assert r.params.logprobs == 3
