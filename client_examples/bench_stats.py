@@ -52,7 +52,8 @@ class RequestMetrics:
 def cumulative_tokens(record: GenerationRecord) -> tuple[list[int], str]:
     """Output tokens generated so far, after each response.
 
-    Uses the server's num_output_tokens (cumulative) when any response carries it; otherwise
+    Uses the server's num_output_tokens when any response carries it (in streaming mode,
+    as in vllm_backend, each response counts the tokens new since the previous one); otherwise
     counts whitespace-separated words of the text so far. Counting words of the accumulated
     text rather than of each delta keeps a word split across two deltas from counting twice.
     """
@@ -60,8 +61,8 @@ def cumulative_tokens(record: GenerationRecord) -> tuple[list[int], str]:
         counts, last = [], 0
         for c in record.chunks:
             if c.num_output_tokens is not None:
-                last = c.num_output_tokens
-            counts.append(last)  # an empty final response repeats the last count
+                last += c.num_output_tokens
+            counts.append(last)
         return counts, TOKENS_FROM_SERVER
     counts, text = [], ""
     for c in record.chunks:

@@ -56,7 +56,7 @@ class StreamChunk:
     """One response of a streamed generation, stamped when the client received it."""
     t: float  # time.perf_counter() at receipt
     text: str  # delta since the previous response
-    num_output_tokens: Optional[int] = None  # cumulative, when the server returned it
+    num_output_tokens: Optional[int] = None  # tokens new in this response, when returned
     finish_reason: Optional[str] = None
     final: bool = False
 

@@ -56,8 +56,8 @@ def test_latency_summary_converts_to_ms():
 
 def test_metrics_with_server_token_counts():
     # t=0 send; first text at 0.10 (1 token); 0.15 brings 1 token; 0.25 brings 2 (gap 0.1 -> 0.05 each);
-    # then an empty final response at 0.26.
-    r = record(0.0, [(0.10, "a", 1), (0.15, " b", 2), (0.25, " c d", 4), (0.26, "", None, None, True)])
+    # then an empty final response at 0.26. Counts are per response, as the server streams them.
+    r = record(0.0, [(0.10, "a", 1), (0.15, " b", 1), (0.25, " c d", 2), (0.26, "", 0, None, True)])
     m = request_metrics(r)
     assert m.token_source == TOKENS_FROM_SERVER
     assert m.ttft == pytest.approx(0.10)
@@ -67,7 +67,7 @@ def test_metrics_with_server_token_counts():
 
 
 def test_ttft_skips_empty_leading_responses():
-    r = record(1.0, [(1.05, "", 0), (1.20, "hi", 1), (1.30, " there", 2, "length", True)])
+    r = record(1.0, [(1.05, "", 0), (1.20, "hi", 1), (1.30, " there", 1, "length", True)])
     m = request_metrics(r)
     assert m.ttft == pytest.approx(0.20)
     assert m.itl == pytest.approx([0.10])
@@ -88,8 +88,8 @@ def test_metrics_reject_failed_request():
 
 
 def test_summarize_level_throughput_and_failures():
-    ok1 = record(0.0, [(0.1, "a", 1), (0.2, " b", 2, "length", True)])
-    ok2 = record(0.5, [(0.7, "x", 1), (0.8, " y", 2), (0.9, " z", 3, "length", True)])
+    ok1 = record(0.0, [(0.1, "a", 1), (0.2, " b", 1, "length", True)])
+    ok2 = record(0.5, [(0.7, "x", 1), (0.8, " y", 1), (0.9, " z", 1, "length", True)])
     bad = record(0.0, [], error="Request was cancelled")
     lv = summarize_level("concurrency", 2, [ok1, ok2, bad], [2, 2, 2], duration_s=2.0)
     assert (lv.completed, lv.failed, lv.output_tokens) == (2, 1, 5)
