@@ -3,6 +3,7 @@ same prompts, one run. Prints output tokens/s and the ratios side by side.
 
   python -m bench.bench_generate                      # both workloads, bf16
   python -m bench.bench_generate --workload fixed --skip-hf
+  python -m bench.bench_generate --vllm-python /tmp/vllm-venv/bin/python   # + vLLM CPU (bench/vllm_peer.py)
 
 Workloads (greedy, ignore_eos so lengths are exact):
   fixed     64 prompts (32-64 tokens) x 128 new tokens  (the peers' workload, DESIGN.md 8)
@@ -11,17 +12,20 @@ Workloads (greedy, ignore_eos so lengths are exact):
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
 
-# Measured on this machine class by the team (DESIGN.md section 8), for context only.
-VLLM_CPU_BF16_FIXED_TOK_S = 977.0
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact be have do say get make "
          "go know take see come think look want give use find tell ask seem feel try leave call "
@@ -98,6 +102,21 @@ def single_stream(llm: LLM, prompt: list[int], n: int = 128) -> float:
     return n / (time.perf_counter() - t0)
 
 
+def run_vllm(python: str, w: Workload, model_dir: Path) -> dict:
+    """vLLM's CPU build in its own venv, same prompts and lengths (bench/vllm_peer.py)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompts": w.prompts, "max_tokens": w.max_tokens}, f)
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
+               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+    script = Path(__file__).with_name("vllm_peer.py")
+    done = subprocess.run([python, str(script), f.name, "--model", str(model_dir)], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    os.unlink(f.name)
+    if done.returncode != 0:
+        raise RuntimeError(f"vLLM peer failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
     src = torch.ones(num_bytes // 4, dtype=torch.float32)
     dst = torch.empty_like(src)
@@ -120,6 +139,7 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (see bench/vllm_peer.py)")
     args = ap.parse_args()
 
     llm = LLM(None, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -134,27 +154,30 @@ def main() -> None:
 
     names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
     rows = []
+    peer_single = None
     for name in names:
         w = make_workload(name, tok)
         ours = run_engine(llm, w)
         static = run_hf_static(hf, w, args.hf_batch, tok.pad_token_id or 0) if hf else None
         single = run_hf_single(hf, w, args.hf_single_count) if hf else None
-        rows.append((name, ours, static, single))
+        vllm = run_vllm(args.vllm_python, w, default_model_dir()) if args.vllm_python else None
+        if vllm and name == "fixed":
+            peer_single = vllm["single_tok_s"]
+        rows.append((name, ours, static, single, vllm["batch_tok_s"] if vllm else None))
 
+    nan = float("nan")
     print(f"\nthreads={torch.get_num_threads()} dtype={args.dtype}  (output tokens/s)")
-    print(f"{'workload':<10}{'engine':>10}{'HF static':>11}{'HF single':>11}"
-          f"{'vs static':>11}{'vs single':>11}{'vs vLLM*':>10}")
-    for name, ours, static, single in rows:
-        vs_static = f"{ours / static:.2f}x" if static else "-"
-        vs_single = f"{ours / single:.2f}x" if single else "-"
-        vs_vllm = f"{ours / VLLM_CPU_BF16_FIXED_TOK_S:.2f}x" if name == "fixed" else "-"
-        print(f"{name:<10}{ours:>10.1f}{static or float('nan'):>11.1f}{single or float('nan'):>11.1f}"
-              f"{vs_static:>11}{vs_single:>11}{vs_vllm:>10}")
-    print(f"* vLLM CPU 0.32 bf16 on the fixed workload: {VLLM_CPU_BF16_FIXED_TOK_S:.0f} tok/s, "
-          f"measured separately on this machine class (DESIGN.md section 8)")
+    print(f"{'workload':<10}{'engine':>9}{'HF static':>11}{'HF single':>11}{'vLLM CPU':>10}"
+          f"{'vs static':>11}{'vs single':>11}{'vs vLLM':>9}")
+    for name, ours, static, single, vllm in rows:
+        ratio = lambda peer: f"{ours / peer:.2f}x" if peer else "-"  # noqa: E731
+        print(f"{name:<10}{ours:>9.1f}{static or nan:>11.1f}{single or nan:>11.1f}{vllm or nan:>10.1f}"
+              f"{ratio(static):>11}{ratio(single):>11}{ratio(vllm):>9}")
 
     prompt = make_workload("fixed", tok).prompts[0]
     stream = single_stream(llm, prompt)
+    if peer_single:
+        print(f"\nvLLM CPU single stream: {peer_single:.1f} tok/s")
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.runner.model.parameters())
     bw = copy_bandwidth_gbs()
     roofline = bw * 1e9 / weight_bytes

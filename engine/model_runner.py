@@ -57,7 +57,7 @@ class ModelRunner:
         if not sample_reqs:
             return RunnerOutput({}, {})
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
-        logits = self.model.compute_logits(hidden[sample_rows])
+        logits = self.model.compute_logits(hidden[sample_rows], upcast=False)
         result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sample_reqs, token_ids)}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sampling_metadata import PenaltyTensors, SamplerState, SamplingMetadata
+from kernels import cpu_native
 from engine.request import Request
 
 _NEG_INF = float("-inf")
@@ -39,7 +40,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.argmax_only:
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            # A fused bf16 argmax skips upcasting [N, vocab] logits (~3x faster on CPU).
+            sampled = cpu_native.argmax_rows(logits)
+            return SamplerOutput(logits.argmax(dim=-1) if sampled is None else sampled,
+                                 None, None, None)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)

@@ -1,11 +1,13 @@
-"""The CPU decode-attention kernel in C (kernels/cpu/decode_attention.c), built once
-with the system C compiler and loaded with ctypes.
+"""CPU kernels in C (kernels/cpu/*.c), built once with the system C compiler and
+loaded with ctypes.
 
-Why: the torch path gathers every sequence's K/V into a padded copy per layer per
-step, which made attention cost as much as all the matmuls at contexts of a few
-hundred tokens. The C kernel reads K/V in place through the block table. When no
-compiler is available, or the shape or dtype is outside what it handles, callers fall
-back to the torch implementation (kernels/reference.py), which defines the semantics.
+Why: the torch path of decode attention gathers every sequence's K/V into a padded
+copy per layer per step, which made attention cost as much as all the matmuls at
+contexts of a few hundred tokens; the C kernel reads K/V in place through the block
+table. The element-wise kernels fuse op chains whose launches and memory passes cost
+more than their arithmetic at decode batch sizes. When no compiler is available, or a
+shape or dtype is outside what a kernel handles, callers fall back to torch (for
+attention: kernels/reference.py, which defines the semantics).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 import torch
 
 logger = logging.getLogger(__name__)
-SOURCE = Path(__file__).parent / "cpu" / "decode_attention.c"
+SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.c"))
 # -ffast-math is for compiling only: gcc links crtfastmath.o into anything *linked*
 # with it, and that object turns on flush-to-zero for the whole process at load time,
 # silently changing torch's numerics. Hence two steps.
@@ -45,17 +47,21 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(COMPILE_FLAGS + LINK_FLAGS).encode()
-                         + os.uname().machine.encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention-{key}.so"
+    digest = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + os.uname().machine.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the target and rename, so concurrent first starts never load a
         # half-written library.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            obj, lib_path = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
-            for cmd in ([compiler, *COMPILE_FLAGS, str(SOURCE), "-o", obj],
-                        [compiler, obj, *LINK_FLAGS, "-o", lib_path]):
+            objects = [os.path.join(tmp, f"{src.stem}.o") for src in SOURCES]
+            lib_path = os.path.join(tmp, "kernels.so")
+            commands = [[compiler, *COMPILE_FLAGS, str(src), "-o", obj]
+                        for src, obj in zip(SOURCES, objects)]
+            commands.append([compiler, *objects, *LINK_FLAGS, "-o", lib_path])
+            for cmd in commands:
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
                     logger.warning("building the CPU attention kernel failed, using torch: %s",
@@ -63,10 +69,58 @@ def load_library() -> ctypes.CDLL | None:
                     return None
             os.replace(lib_path, target)
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float] + [ctypes.c_int] * 2
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
+        "add_rms_norm_bf16": (None, [ptr] * 4 + [i64, i64, f32, i32]),
+        "silu_mul_bf16": (None, [ptr, ptr, i64, i64, i32]),
+        "argmax_bf16": (None, [ptr, ptr, i64, i64, i32]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib
+
+
+def _bf16_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.bfloat16 and t.device.type == "cpu" and t.is_contiguous()
+               for t in tensors)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor | None:
+    """residual += x (in place, if x is given); returns rms_norm(residual) * weight, or
+    None when the fused kernel does not apply (not bf16/contiguous/CPU, no library)."""
+    lib = load_library()
+    operands = (residual, weight) if x is None else (x, residual, weight)
+    if lib is None or residual.dim() != 2 or not _bf16_cpu(*operands):
+        return None
+    out = torch.empty_like(residual)
+    lib.add_rms_norm_bf16(None if x is None else x.data_ptr(), residual.data_ptr(),
+                          weight.data_ptr(), out.data_ptr(), residual.shape[0],
+                          residual.shape[1], float(eps), torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim; None if not applicable."""
+    lib = load_library()
+    if lib is None or gate_up.dim() != 2 or not _bf16_cpu(gate_up):
+        return None
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    lib.silu_mul_bf16(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
+    """Row-wise argmax (first maximum) of a 2-D bf16 CPU tensor; None if not applicable."""
+    lib = load_library()
+    if lib is None or x.dim() != 2 or not _bf16_cpu(x):
+        return None
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    lib.argmax_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    return out
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -55,3 +55,52 @@ def test_loading_the_kernel_does_not_flush_subnormals():
     assert cpu_native.load_library() is not None
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert (tiny * 1.0).item() != 0.0
+
+
+def _bf16_close(got, expected):
+    # Same rounding steps as the torch chain; only float32 summation order and exp's
+    # last bit may differ, i.e. at most one bf16 ulp on a rare element.
+    diff = (got.float() - expected.float()).abs()
+    ulp = expected.float().abs().clamp_min(1e-30) * 2.0 ** -7
+    assert bool((diff <= ulp).all())
+    assert (got == expected).float().mean().item() > 0.99
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 64), (64, 1024)])
+def test_fused_add_rms_norm_matches_torch_chain(rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, hidden, generator=g).to(torch.bfloat16)
+    residual = (3 * torch.randn(rows, hidden, generator=g)).to(torch.bfloat16)
+    weight = torch.randn(hidden, generator=g).to(torch.bfloat16)
+    expected_res = residual.clone().add_(x)
+    expected = torch.nn.functional.rms_norm(expected_res.float(), (hidden,), None, 1e-5)
+    expected = expected.to(torch.bfloat16) * weight
+    got_res = residual.clone()
+    got = cpu_native.add_rms_norm(x, got_res, weight, 1e-5)
+    assert torch.equal(got_res, expected_res)
+    _bf16_close(got, expected)
+    # Without x: normalise the residual as it is.
+    alone = cpu_native.add_rms_norm(None, expected_res.clone(), weight, 1e-5)
+    _bf16_close(alone, expected)
+
+
+def test_fused_silu_mul_matches_torch_chain():
+    gate_up = (4 * torch.randn(33, 2 * 384, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+    expected = torch.nn.functional.silu(gate_up[:, :384]).mul_(gate_up[:, 384:])
+    _bf16_close(cpu_native.silu_mul(gate_up), expected)
+
+
+def test_argmax_rows_takes_the_first_maximum():
+    logits = torch.randn(9, 5000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    logits[3, 17] = logits[3, 4000] = 50.0  # a tie: the first index wins, as in torch
+    logits[5, :] = -1.0
+    got = cpu_native.argmax_rows(logits)
+    assert torch.equal(got, logits.float().argmax(dim=-1))
+    assert got[3] == 17 and got[5] == 0
+
+
+def test_elementwise_kernels_decline_other_dtypes():
+    x = torch.randn(4, 64)
+    assert cpu_native.add_rms_norm(None, x, torch.ones(64), 1e-5) is None
+    assert cpu_native.silu_mul(x) is None
+    assert cpu_native.argmax_rows(x) is None

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_native
+
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
@@ -67,7 +69,11 @@ class RMSNorm(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); the residual is updated in place."""
         if residual is None:
-            return self._norm(x), x
+            fused = cpu_native.add_rms_norm(None, x, self.weight, self.eps)
+            return (self._norm(x) if fused is None else fused), x
+        fused = cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
+        if fused is not None:
+            return fused, residual
         residual.add_(x)
         return self._norm(residual), residual
 
@@ -84,6 +90,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        act = F.silu(gate_up[:, :self.intermediate_size])
-        act.mul_(gate_up[:, self.intermediate_size:])
+        act = cpu_native.silu_mul(gate_up)
+        if act is None:
+            act = F.silu(gate_up[:, :self.intermediate_size])
+            act.mul_(gate_up[:, self.intermediate_size:])
         return self.down_proj(act)

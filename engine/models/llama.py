@@ -131,10 +131,11 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # float32 also for speed: torch's CPU argmax over bf16 is ~3x slower than the
-        # upcast plus an fp32 argmax.
-        return linear(hidden, self.lm_head_weight, None, self.lm_head_packed).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """[N, vocab] logits, float32 unless `upcast` is False (the sampler then upcasts
+        only when it needs more than an argmax)."""
+        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed)
+        return logits.float() if upcast else logits
 
     def prepack(self) -> None:
         """Re-lay weights for the CPU matmul library once loading is done (no-op

@@ -1,0 +1,92 @@
+/* Fused bf16 element-wise ops for the CPU decode path. Each replaces a chain of 3-6
+ * torch ops (and their temporaries) over [tokens, hidden]; at decode batch sizes those
+ * chains cost more in launches and memory passes than in arithmetic.
+ *
+ * Rounding follows the torch op chains they replace (and HF's Llama): every
+ * intermediate that torch would store as bf16 is rounded to bf16 here too, so results
+ * differ from the torch path only by the order of float32 sums and exp's last bit. Rows are spread over torch's OpenMP pool (see
+ * decode_attention.c for why the runtime is shared).
+ */
+#include <math.h>
+#include <stdint.h>
+
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t u; float f; } x;
+    x.u = (uint32_t)v << 16;
+    return x.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } x;
+    x.f = f;
+    return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
+}
+
+static inline float round_bf16(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+
+/* residual += x (when x is not NULL); out = bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight)
+ * Matches: residual.add_(x); F.rms_norm(residual.float(), ..., None, eps).to(bf16) * weight */
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                       uint16_t *out, int64_t rows, int64_t hidden, float eps, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *res = residual + r * hidden;
+        uint16_t *dst = out + r * hidden;
+        float sum = 0.f;
+        if (x != 0) {
+            const uint16_t *src = x + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) {
+                const uint16_t v = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(src[i]));
+                res[i] = v;
+                const float f = bf16_to_f32(v);
+                sum += f * f;
+            }
+        } else {
+            for (int64_t i = 0; i < hidden; i++) {
+                const float f = bf16_to_f32(res[i]);
+                sum += f * f;
+            }
+        }
+        const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) {
+            const float normed = round_bf16(bf16_to_f32(res[i]) * inv);
+            dst[i] = f32_to_bf16(normed * bf16_to_f32(weight[i]));
+        }
+    }
+}
+
+/* out[r, i] = bf16(bf16(silu(gate_up[r, i])) * gate_up[r, inter + i])
+ * Matches: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]) */
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
+                   int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * inter;
+        const uint16_t *up = gate + inter;
+        uint16_t *dst = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            const float g = bf16_to_f32(gate[i]);
+            const float s = round_bf16(g / (1.f + expf(-g)));
+            dst[i] = f32_to_bf16(s * bf16_to_f32(up[i]));
+        }
+    }
+}
+
+/* out[r] = index of the first maximum of row r (torch.argmax semantics without NaNs). */
+void argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *row = x + r * cols;
+        float best = -3.0e38f;  /* finite: the build uses fast-math */
+        for (int64_t i = 0; i < cols; i++) {
+            const float v = bf16_to_f32(row[i]);
+            best = v > best ? v : best;
+        }
+        int64_t index = 0;
+        for (int64_t i = 0; i < cols; i++) {
+            if (bf16_to_f32(row[i]) == best) { index = i; break; }
+        }
+        out[r] = index;
+    }
+}
