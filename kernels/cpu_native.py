@@ -75,6 +75,7 @@ def load_library() -> ctypes.CDLL | None:
         "add_rms_norm_bf16": (None, [ptr] * 4 + [i64, i64, f32, i32]),
         "silu_mul_bf16": (None, [ptr, ptr, i64, i64, i32]),
         "argmax_bf16": (None, [ptr, ptr, i64, i64, i32]),
+        "rope_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -144,3 +145,21 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         tables.data_ptr(), lens.data_ptr(), num_seqs, num_heads, key_cache.shape[2], head_dim,
         key_cache.shape[1], tables.shape[1], float(scale), is_bf16, torch.get_num_threads())
     return out if status == 0 else None
+
+
+def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int, positions: torch.Tensor,
+         cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor | None:
+    """Rotate-half RoPE of the first num_heads heads of each row of a 2-D bf16 buffer
+    (rows may be longer: the fused qkv layout) -> contiguous [rows, num_heads, head_dim];
+    None if not applicable."""
+    lib = load_library()
+    if (lib is None or qkv.dim() != 2 or qkv.stride(1) != 1 or qkv.dtype != torch.bfloat16
+            or qkv.device.type != "cpu" or not _bf16_cpu(cos_table, sin_table)
+            or positions.dtype != torch.int64 or not positions.is_contiguous()):
+        return None
+    rows = qkv.shape[0]
+    out = torch.empty((rows, num_heads, head_dim), dtype=qkv.dtype)
+    lib.rope_bf16(qkv.data_ptr(), qkv.stride(0), rows, num_heads, head_dim, rot_half,
+                  positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), out.data_ptr(),
+                  torch.get_num_threads())
+    return out

@@ -104,3 +104,19 @@ def test_elementwise_kernels_decline_other_dtypes():
     assert cpu_native.add_rms_norm(None, x, torch.ones(64), 1e-5) is None
     assert cpu_native.silu_mul(x) is None
     assert cpu_native.argmax_rows(x) is None
+
+
+@pytest.mark.parametrize("rot_half", [32, 16])  # full and partial rotary
+def test_fused_rope_matches_torch_expression(rot_half):
+    g = torch.Generator().manual_seed(rot_half)
+    rows, heads, dim = 11, 5, 64
+    qkv = torch.randn(rows, (heads + 2) * dim, generator=g).to(torch.bfloat16)  # fused row layout
+    cos = torch.randn(100, rot_half, generator=g).to(torch.bfloat16)
+    sin = torch.randn(100, rot_half, generator=g).to(torch.bfloat16)
+    positions = torch.randint(0, 100, (rows,), generator=g)
+    x = qkv[:, :heads * dim].view(rows, heads, dim)
+    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    x1, x2 = x[..., :rot_half], x[..., rot_half:2 * rot_half]
+    expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * rot_half:]), dim=-1)
+    got = cpu_native.rope(qkv, heads, dim, rot_half, positions, cos, sin)
+    assert torch.equal(got, expected)

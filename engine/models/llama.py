@@ -17,7 +17,7 @@ from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param, linear
 from engine.models.rope import RotaryEmbedding
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-CosSin = tuple[torch.Tensor, torch.Tensor]
+CosSin = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin, positions
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +58,8 @@ class LlamaAttention(nn.Module):
         T = x.shape[0]
         qkv = self.qkv_proj(x)
         q_end, k_end = self.split
-        # q and k sit side by side in each row, so one strided view rotates both at once.
-        qk = self.rotary(cos_sin, qkv[:, :k_end].view(T, -1, self.head_dim))
+        # q and k sit side by side in each row, so one pass rotates both at once.
+        qk = self.rotary.rotate_qkv(cos_sin, qkv, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, meta)

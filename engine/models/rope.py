@@ -8,6 +8,8 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from kernels import cpu_native
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
@@ -93,13 +95,25 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", (angles.cos() * mult).to(dtype), persistent=False)
         self.register_buffer("sin", (angles.sin() * mult).to(dtype), persistent=False)
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, rot_dim/2] for a batch; gathered once per forward, used by every layer."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin [T, 1, rot_dim/2], positions) for a batch; gathered once per forward,
+        used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1), positions
 
-    def forward(self, cos_sin: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    def rotate_qkv(self, cos_sin: tuple, qkv: torch.Tensor, num_heads: int,
+                   head_dim: int) -> torch.Tensor:
+        """Rotate the first `num_heads` heads (q then k) of each row of a fused [T, qkv]
+        buffer -> contiguous [T, num_heads, head_dim]. One fused pass on CPU bf16."""
+        fused = cpu_native.rope(qkv, num_heads, head_dim, self.rot_dim // 2, cos_sin[2],
+                                self.cos, self.sin)
+        if fused is not None:
+            return fused
+        rows = qkv.shape[0]
+        return self(cos_sin, qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim))
+
+    def forward(self, cos_sin: tuple, x: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, head_dim] (may be a strided view); returns a new contiguous tensor."""
-        cos, sin = cos_sin
+        cos, sin = cos_sin[0], cos_sin[1]
         half = self.rot_dim // 2
         x1, x2 = x[..., :half], x[..., half:self.rot_dim]
         rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)

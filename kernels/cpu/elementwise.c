@@ -90,3 +90,28 @@ void argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols, in
         out[r] = index;
     }
 }
+
+/* Rotate-half RoPE over the first `heads` heads of each row of a fused qkv buffer
+ * (row r starts at qkv + r * row_stride), written to a contiguous [rows, heads, dim].
+ * cos/sin: [positions, rot_half] bf16 tables. Each product and sum is rounded to bf16,
+ * as the torch expression (x1 * cos - x2 * sin, x2 * cos + x1 * sin) rounds them. */
+void rope_bf16(const uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t heads,
+               int64_t dim, int64_t rot_half, const int64_t *positions, const uint16_t *cos_table,
+               const uint16_t *sin_table, uint16_t *out, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *cs = cos_table + positions[r] * rot_half;
+        const uint16_t *sn = sin_table + positions[r] * rot_half;
+        for (int64_t h = 0; h < heads; h++) {
+            const uint16_t *src = qkv + r * row_stride + h * dim;
+            uint16_t *dst = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < rot_half; i++) {
+                const float x1 = bf16_to_f32(src[i]), x2 = bf16_to_f32(src[i + rot_half]);
+                const float c = bf16_to_f32(cs[i]), s = bf16_to_f32(sn[i]);
+                dst[i] = f32_to_bf16(round_bf16(x1 * c) - round_bf16(x2 * s));
+                dst[i + rot_half] = f32_to_bf16(round_bf16(x2 * c) + round_bf16(x1 * s));
+            }
+            for (int64_t i = 2 * rot_half; i < dim; i++) dst[i] = src[i];
+        }
+    }
+}
