@@ -76,6 +76,7 @@ def load_library() -> ctypes.CDLL | None:
         "silu_mul_bf16": (None, [ptr, ptr, i64, i64, i32]),
         "argmax_bf16": (None, [ptr, ptr, i64, i64, i32]),
         "rope_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]),
+        "reshape_and_cache_16": (None, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -163,3 +164,30 @@ def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int, positi
                   positions.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), out.data_ptr(),
                   torch.get_num_threads())
     return out
+
+
+def _rows_view(t: torch.Tensor) -> int | None:
+    """Row stride of a [T, KVH, D] tensor whose rows are each contiguous, else None."""
+    if t.dim() != 3 or t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+        return None
+    return t.stride(0)
+
+
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Write K/V rows to their slots (-1 skipped) in one pass, reading strided views in
+    place; returns False (nothing written) when not applicable."""
+    lib = load_library()
+    if (lib is None or key.dtype not in (torch.bfloat16, torch.float16)
+            or not (key.dtype == value.dtype == key_cache.dtype == value_cache.dtype)
+            or key.device.type != "cpu" or slot_mapping.dtype != torch.int64
+            or not (key_cache.is_contiguous() and value_cache.is_contiguous()
+                    and slot_mapping.is_contiguous())):
+        return False
+    key_stride, value_stride = _rows_view(key), _rows_view(value)
+    if key_stride is None or value_stride is None:
+        return False
+    lib.reshape_and_cache_16(key.data_ptr(), key_stride, value.data_ptr(), value_stride,
+                             key_cache.data_ptr(), value_cache.data_ptr(), slot_mapping.data_ptr(),
+                             key.shape[0], key.shape[1] * key.shape[2], torch.get_num_threads())
+    return True

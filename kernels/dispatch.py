@@ -18,7 +18,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     if key_cache.is_cuda:
         from kernels import triton_ops
         triton_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-    else:
+    elif not cpu_native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
         reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 

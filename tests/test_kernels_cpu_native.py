@@ -120,3 +120,17 @@ def test_fused_rope_matches_torch_expression(rot_half):
     expected = torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, x[..., 2 * rot_half:]), dim=-1)
     got = cpu_native.rope(qkv, heads, dim, rot_half, positions, cos, sin)
     assert torch.equal(got, expected)
+
+
+def test_fused_reshape_and_cache_matches_torch_and_skips_padding():
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(6, 5 * 64, generator=g).to(torch.bfloat16)  # strided K/V views, as the model passes
+    key = qkv[:, 3 * 64:4 * 64].view(6, 1, 64)
+    value = qkv[:, 4 * 64:].view(6, 1, 64)
+    slots = torch.tensor([5, 0, -1, 17, 3, -1])
+    expected = [torch.zeros(4, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
+    reference.reshape_and_cache(key, value, *expected, slots)
+    got = [torch.zeros(4, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
+    assert cpu_native.reshape_and_cache(key, value, *got, slots)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert not cpu_native.reshape_and_cache(key.float(), value.float(), *(c.float() for c in got), slots)

@@ -115,3 +115,18 @@ void rope_bf16(const uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t he
         }
     }
 }
+
+/* key_cache/value_cache viewed as [slots, row]: copy each token's K and V row to its
+ * slot; slot < 0 is padding. Rows may be strided views (V inside the fused qkv). */
+void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_t *value,
+                          int64_t value_stride, uint16_t *key_cache, uint16_t *value_cache,
+                          const int64_t *slots, int64_t tokens, int64_t row, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const uint16_t *k = key + t * key_stride, *v = value + t * value_stride;
+        uint16_t *kd = key_cache + slot * row, *vd = value_cache + slot * row;
+        for (int64_t i = 0; i < row; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+    }
+}
