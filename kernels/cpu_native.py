@@ -48,7 +48,7 @@ def load_library() -> ctypes.CDLL | None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
     digest = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + os.uname().machine.encode())
-    for source in SOURCES:
+    for source in [*SOURCES, *SOURCES[0].parent.glob("*.h")]:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if not target.exists():

@@ -33,3 +33,15 @@ def load_kv_tile(cache_ptr, block_table_row_ptr, positions, valid, kv_head, dims
     rows = (block_ids.to(tl.int64) * BLOCK_SIZE + positions % BLOCK_SIZE) * NUM_KV_HEADS + kv_head
     mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
     return tl.load(cache_ptr + rows[:, None] * HEAD_DIM + dims[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def online_softmax_update(scores, values, acc, running_max, running_sum, FP32_DOT: tl.constexpr):
+    """Fold one tile of (log2-domain, already masked) scores and its V rows into the
+    running max / sum / weighted accumulator of flash attention."""
+    new_max = tl.maximum(running_max, tl.max(scores, axis=1))
+    probs = tl.exp2(scores - new_max[:, None])
+    correction = tl.exp2(running_max - new_max)
+    running_sum = running_sum * correction + tl.sum(probs, axis=1)
+    acc = acc * correction[:, None] + dot(probs.to(values.dtype), values, FP32_DOT)
+    return acc, new_max, running_sum

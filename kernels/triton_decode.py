@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton_common import dot, load_kv_tile
+from kernels.triton_common import dot, load_kv_tile, online_softmax_update
 
 
 @triton.jit
@@ -54,14 +54,10 @@ def decode_partition_kernel(
         # log2-domain logits: exp2 is the native instruction
         scores = dot(query, tl.trans(keys), FP32_DOT) * scale_log2
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        probs = tl.exp2(scores - new_max[:, None])
-        correction = tl.exp2(running_max - new_max)
-        running_sum = running_sum * correction + tl.sum(probs, axis=1)
         values = load_kv_tile(value_cache_ptr, table_row, positions, valid, kv_head, dims,
                               BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        acc = acc * correction[:, None] + dot(probs.to(values.dtype), values, FP32_DOT)
-        running_max = new_max
+        acc, running_max, running_sum = online_softmax_update(scores, values, acc, running_max,
+                                                              running_sum, FP32_DOT)
     acc = acc / running_sum[:, None]
 
     if not SPLIT:

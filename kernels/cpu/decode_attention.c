@@ -13,6 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128
 
@@ -23,19 +25,6 @@ typedef struct {
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16;
     float scale;
 } job_t;
-
-static inline float bf16_to_f32(uint16_t v) {
-    union { uint32_t u; float f; } x;
-    x.u = (uint32_t)v << 16;
-    return x.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } x;
-    x.f = f;
-    /* round to nearest even, as torch does */
-    return (uint16_t)((x.u + 0x7FFFu + ((x.u >> 16) & 1u)) >> 16);
-}
 
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int n, float *dst) {
     if (is_bf16) {
