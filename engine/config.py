@@ -64,6 +64,8 @@ class EngineConfig:
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
     dtype: str = "bfloat16"
+    # "auto": CUDA when torch sees a GPU (Triton kernels), else the CPU (C/torch kernels).
+    device: str = "auto"
     seed: int = 0
     max_logprobs: int = 20
     num_threads: int = 0  # 0: leave torch's default
@@ -75,8 +77,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def torch_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
 
     @classmethod
     def from_dict(cls, args: Mapping[str, Any]) -> "EngineConfig":

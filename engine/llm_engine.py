@@ -57,7 +57,7 @@ class LLMEngine:
             raise ValueError("pass either an EngineConfig or engine arguments, not both")
         if config.num_threads > 0:
             torch.set_num_threads(config.num_threads)
-        loaded = load_model(config.model, config.dtype)
+        loaded = load_model(config.model, config.dtype, device=config.torch_device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = self._resolve(config, loaded)

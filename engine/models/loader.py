@@ -122,7 +122,8 @@ def _max_context(config: Any) -> int:
 
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = torch.bfloat16,
-               tokenizer: str | os.PathLike | None = None) -> LoadedModel:
+               tokenizer: str | os.PathLike | None = None,
+               device: str | torch.device = "cpu") -> LoadedModel:
     """Build our model from `model` (HF folder, .gguf file, or None for the embedded default).
 
     `tokenizer`: a folder to take the tokenizer from instead of the model's."""
@@ -143,7 +144,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     with torch.no_grad():
         net.load_weights(iter_checkpoint_tensors(model_dir))
     net.eval()
-    net.prepack()
+    net.to(device)
+    net.prepack()  # CPU only; a no-op elsewhere
     tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
     return LoadedModel(
         model=net, hf_config=config, tokenizer=tok, model_dir=model_dir,
