@@ -17,10 +17,6 @@ from backend.metrics import StepMetrics
 from backend.response_worker import ResponseWorker
 from engine.request import RequestOutput, SamplingParams
 
-# is_cancelled() is an IPC round trip per request; a step is tens of milliseconds on
-# CPU, so polling more often than this buys nothing.
-CANCEL_POLL_INTERVAL_S = 0.02
-
 
 @dataclass(slots=True)
 class Inflight:
@@ -45,7 +41,6 @@ class EngineLoop:
         self._active: dict[str, Inflight] = {}
         self._stopping = False
         self._drain_deadline = 0.0
-        self._last_cancel_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="llm-engine-loop", daemon=True)
         self._thread.start()
 
@@ -107,19 +102,24 @@ class EngineLoop:
                                     triton_io.INTERNAL)
             return
         self._active[request.request_id] = request
+        self._worker.watch(request.request_id, request.sender)
+
+    def _retire(self, request_id: str) -> Inflight | None:
+        request = self._active.pop(request_id, None)
+        if request is not None:
+            self._worker.unwatch(request_id)
+        return request
 
     def _poll_cancellations(self) -> None:
-        now = time.monotonic()
-        if now - self._last_cancel_poll < CANCEL_POLL_INTERVAL_S:
-            return
-        self._last_cancel_poll = now
-        cancelled = [r for r in self._active.values() if r.sender.is_cancelled()]
+        # The worker thread does the is_cancelled() round trips; here only the result.
+        cancelled = [r for r in self._worker.take_cancelled() if r in self._active]
         if not cancelled:
             return
-        self._engine.abort_request([r.request_id for r in cancelled])
-        for request in cancelled:
-            del self._active[request.request_id]
-            self._worker.send_error(request.sender, "Request was cancelled", triton_io.CANCELLED)
+        self._engine.abort_request(cancelled)
+        for request_id in cancelled:
+            request = self._retire(request_id)
+            self._worker.send_error(request.sender, "Request was cancelled", triton_io.CANCELLED,
+                                    request_id)
 
     def _fail(self, request_ids: list[str], message: str, code: int) -> None:
         try:
@@ -127,9 +127,9 @@ class EngineLoop:
         except Exception:  # noqa: BLE001 - the requests are failed either way
             triton_io.log_error("abort after failure: " + traceback.format_exc())
         for request_id in request_ids:
-            request = self._active.pop(request_id, None)
+            request = self._retire(request_id)
             if request is not None:
-                self._worker.send_error(request.sender, message, code)
+                self._worker.send_error(request.sender, message, code, request_id)
 
     def _step(self, step: StepMetrics) -> None:
         step_start = time.monotonic()
@@ -156,13 +156,15 @@ class EngineLoop:
             except Exception as exc:  # noqa: BLE001
                 triton_io.log_error(f"building response for {out.request_id}: {traceback.format_exc()}")
                 self._engine.abort_request([out.request_id])
-                del self._active[out.request_id]
-                self._worker.send_error(request.sender, f"response building failed: {exc}", triton_io.INTERNAL)
+                self._retire(out.request_id)
+                self._worker.send_error(request.sender, f"response building failed: {exc}",
+                                        triton_io.INTERNAL, out.request_id)
                 continue
             if tensors is not None or out.finished:
-                self._worker.send(request.sender, tensors, final=out.finished)
+                self._worker.send(request.sender, tensors, final=out.finished,
+                                  request_id=out.request_id)
             if out.finished:
-                del self._active[out.request_id]
+                self._retire(out.request_id)
 
     @staticmethod
     def _account(request: Inflight, out: RequestOutput, step: StepMetrics, step_start: float,

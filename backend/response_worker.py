@@ -1,11 +1,15 @@
-"""A thread that performs every call into Triton's response path (send, metrics).
+"""A thread that performs every call into Triton's response path (send, metrics,
+cancellation checks).
 
-Sends and metric updates are IPC round trips to the server process; doing them here
-means a slow gRPC client or a burst of sends never delays the engine step."""
+Sends, metric updates and is_cancelled() are IPC round trips to the server process;
+doing them here means a slow gRPC client, a burst of sends or polling every in-flight
+request never delays the engine step (measured: polling 64 requests from the engine
+thread cost ~5% of throughput)."""
 from __future__ import annotations
 
 import queue
 import threading
+import time
 import traceback
 from typing import Any, Callable, Mapping
 
@@ -15,24 +19,59 @@ from backend import triton_io
 from backend.metrics import NullMetrics, StepMetrics, TritonMetrics
 
 _STOP = object()
+# A step is tens of milliseconds on CPU; polling more often than this buys nothing.
+CANCEL_POLL_INTERVAL_S = 0.02
 
 
 class ResponseWorker:
     def __init__(self, metrics: TritonMetrics | NullMetrics) -> None:
         self._metrics = metrics
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._watched: dict[str, Any] = {}  # request id -> response sender; this thread only
+        self._cancelled: queue.SimpleQueue = queue.SimpleQueue()  # ids for the engine thread
+        self._last_poll = 0.0
         self._thread = threading.Thread(target=self._run, name="triton-response-sender", daemon=True)
         self._thread.start()
 
-    def send(self, sender: Any, tensors: Mapping[str, np.ndarray] | None, final: bool) -> None:
-        self._queue.put(lambda: _send(sender, tensors, final))
+    def send(self, sender: Any, tensors: Mapping[str, np.ndarray] | None, final: bool,
+             request_id: str | None = None) -> None:
+        def task() -> None:
+            if final:
+                self._forget(request_id)
+            _send(sender, tensors, final)
+        self._queue.put(task)
 
-    def send_error(self, sender: Any, message: str, code: int) -> None:
-        self._queue.put(lambda: triton_io.send_error(sender, message, code))
+    def send_error(self, sender: Any, message: str, code: int, request_id: str | None = None) -> None:
+        def task() -> None:
+            self._forget(request_id)
+            triton_io.send_error(sender, message, code)
+        self._queue.put(task)
+
+    def _forget(self, request_id: str | None) -> None:
+        # Before the FINAL response goes out: Triton frees the response factory with it,
+        # and is_cancelled() on a freed factory crashes the server.
+        if request_id is not None:
+            self._watched.pop(request_id, None)
 
     def record(self, step: StepMetrics) -> None:
         if not step.empty():
             self._queue.put(lambda: self._metrics.record(step))
+
+    def watch(self, request_id: str, sender: Any) -> None:
+        """Poll this request's sender for cancellation until unwatch()."""
+        self._queue.put(lambda: self._watched.__setitem__(request_id, sender))
+
+    def unwatch(self, request_id: str) -> None:
+        self._queue.put(lambda: self._watched.pop(request_id, None))
+
+    def take_cancelled(self) -> list[str]:
+        """Ids of watched requests whose client cancelled since the last call."""
+        ids = []
+        while True:
+            try:
+                ids.append(self._cancelled.get_nowait())
+            except queue.Empty:
+                return ids
 
     def stop(self) -> None:
         """Sends everything queued so far, then ends the thread."""
@@ -41,13 +80,33 @@ class ResponseWorker:
 
     def _run(self) -> None:
         while True:
-            task: Callable[[], None] | object = self._queue.get()
+            try:
+                task: Callable[[], None] | object | None = self._queue.get(
+                    timeout=CANCEL_POLL_INTERVAL_S if self._watched else None)
+            except queue.Empty:
+                task = None
             if task is _STOP:
                 return
+            if task is not None:
+                try:
+                    task()
+                except Exception:  # noqa: BLE001 - one client's broken stream must not stop the others
+                    triton_io.log_error("response sender: " + traceback.format_exc())
+            self._poll_cancellations()
+
+    def _poll_cancellations(self) -> None:
+        now = time.monotonic()
+        if not self._watched or now - self._last_poll < CANCEL_POLL_INTERVAL_S:
+            return
+        self._last_poll = now
+        for request_id, sender in list(self._watched.items()):
             try:
-                task()
-            except Exception:  # noqa: BLE001 - one client's broken stream must not stop the others
-                triton_io.log_error("response sender: " + traceback.format_exc())
+                cancelled = sender.is_cancelled()
+            except Exception:  # noqa: BLE001 - a vanished sender cannot be answered anyway
+                cancelled = True
+            if cancelled:
+                del self._watched[request_id]
+                self._cancelled.put(request_id)
 
 
 def _send(sender: Any, tensors: Mapping[str, np.ndarray] | None, final: bool) -> None:

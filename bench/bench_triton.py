@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from bench.bench_generate import make_workload
-from client_examples.common import GrpcStreamSession
+from client_examples.common import build_grpc_inputs, chunk_from_grpc_result
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
 
@@ -38,45 +38,62 @@ def in_process(texts: list[str], lengths: list[int]) -> float:
     return sum(lengths) / elapsed
 
 
+def stream_all(url: str, texts: list[str], lengths: list[int]) -> tuple[float, list[int]]:
+    """All requests on one gRPC stream (as genai-perf multiplexes them), so the client's
+    own CPU use stays small on a machine it shares with the server."""
+    import tritonclient.grpc as grpcclient
+    client = grpcclient.InferenceServerClient(url=url)
+    produced = [0] * len(texts)
+    pending = set(range(len(texts)))
+    errors: list[str] = []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def on_response(result, error) -> None:
+        with lock:
+            if error is not None:
+                errors.append(str(error))
+                done.set()
+                return
+            chunk = chunk_from_grpc_result(time.perf_counter(), result)
+            index = int(result.get_response().id)
+            produced[index] += chunk.num_output_tokens or 0
+            if chunk.final:
+                pending.discard(index)
+                if not pending:
+                    done.set()
+
+    client.start_stream(callback=on_response)
+    t0 = time.perf_counter()
+    for i, (text, n) in enumerate(zip(texts, lengths)):
+        sampling = {"temperature": 0, "max_tokens": n, "min_tokens": n, "ignore_eos": True}
+        client.async_stream_infer("llm", build_grpc_inputs(text, sampling), request_id=str(i),
+                                  enable_empty_final_response=True)
+    done.wait(timeout=1800)
+    elapsed = time.perf_counter() - t0
+    client.stop_stream()
+    client.close()
+    if errors or pending:
+        raise RuntimeError(f"{len(errors)} errors, {len(pending)} unfinished; first: "
+                           f"{errors[0] if errors else 'timeout'}")
+    return elapsed, produced
+
+
 def through_triton(texts: list[str], lengths: list[int]) -> tuple[float, float]:
     from backend.triton_server import ServerPorts, TritonServer
     log = Path(tempfile.mkdtemp(prefix="bench-triton-")) / "server.log"
     server = TritonServer(REPO, ServerPorts.free(), log_path=log,
                           extra_args=["--model-control-mode=explicit", "--load-model=llm"])
-    t_start = time.perf_counter()
     server.start()
     try:
         ready_s = server.wait_ready(900)
-        sessions = [GrpcStreamSession(server.grpc_url, "llm") for _ in texts]
-        sessions[0].generate(texts[0], {"temperature": 0, "max_tokens": 4})  # warm-up
-        produced = [0] * len(texts)
-        errors: list[str] = []
-
-        def run(i: int) -> None:
-            n = lengths[i]
-            record = sessions[i].generate(texts[i], {"temperature": 0, "max_tokens": n,
-                                                     "min_tokens": n, "ignore_eos": True})
-            if record.error:
-                errors.append(record.error)
-            produced[i] = sum(c.num_output_tokens or 0 for c in record.chunks)
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(texts))]
-        t0 = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        elapsed = time.perf_counter() - t0
-        for s in sessions:
-            s.close()
-        if errors:
-            raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]} (log: {log})")
+        stream_all(server.grpc_url, texts[:2], [4, 4])  # warm-up
+        elapsed, produced = stream_all(server.grpc_url, texts, lengths)
         if produced != lengths:
             raise RuntimeError("the server returned other output lengths than requested")
         return sum(lengths) / elapsed, ready_s
     finally:
         server.stop()
-        print(f"(server log: {log}; start to ready {time.perf_counter() - t_start:.1f} s)")
 
 
 def main() -> None:

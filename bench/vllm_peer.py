@@ -32,6 +32,7 @@ def main():
     ap.add_argument("workload")
     ap.add_argument("--model", required=True)
     ap.add_argument("--single-tokens", type=int, default=128)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
     args = ap.parse_args()
 
@@ -55,12 +56,16 @@ def main():
     warm = [TokensPrompt(prompt_token_ids=prompts[i % len(prompts)][:8]) for i in range(2)]
     llm.generate(warm, [sp(8, SamplingParams)] * 2, use_tqdm=False)
 
-    # Batch run: all prompts at once, per-request sampling params.
+    # Batch run: all prompts at once, per-request sampling params; best of --repeat, as
+    # the engine's side is measured (the host's speed drifts between minutes).
     reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     params = [sp(n, SamplingParams) for n in max_tokens]
-    t1 = time.perf_counter()
-    outs = llm.generate(reqs, params, use_tqdm=False)
-    batch_s = time.perf_counter() - t1
+    batch_s = float("inf")
+    for _ in range(args.repeat):
+        llm.reset_prefix_cache()  # every run prefills, as on the engine's side
+        t1 = time.perf_counter()
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        batch_s = min(batch_s, time.perf_counter() - t1)
     batch_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     first_ids = list(outs[0].outputs[0].token_ids)[:32]
 
