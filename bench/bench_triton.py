@@ -38,7 +38,8 @@ def in_process(texts: list[str], lengths: list[int]) -> float:
     return sum(lengths) / elapsed
 
 
-def stream_all(url: str, texts: list[str], lengths: list[int]) -> tuple[float, list[int]]:
+def stream_all(url: str, texts: list[str], lengths: list[int],
+               stream: bool = True) -> tuple[float, list[int]]:
     """All requests on one gRPC stream (as genai-perf multiplexes them), so the client's
     own CPU use stays small on a machine it shares with the server."""
     import tritonclient.grpc as grpcclient
@@ -67,7 +68,9 @@ def stream_all(url: str, texts: list[str], lengths: list[int]) -> tuple[float, l
     t0 = time.perf_counter()
     for i, (text, n) in enumerate(zip(texts, lengths)):
         sampling = {"temperature": 0, "max_tokens": n, "min_tokens": n, "ignore_eos": True}
-        client.async_stream_infer("llm", build_grpc_inputs(text, sampling), request_id=str(i),
+        client.async_stream_infer("llm", build_grpc_inputs(text, sampling, stream=stream,
+                                                           return_flags=("return_num_output_tokens",)),
+                                  request_id=str(i),
                                   enable_empty_final_response=True)
     done.wait(timeout=1800)
     elapsed = time.perf_counter() - t0
@@ -79,7 +82,8 @@ def stream_all(url: str, texts: list[str], lengths: list[int]) -> tuple[float, l
     return elapsed, produced
 
 
-def through_triton(texts: list[str], lengths: list[int]) -> tuple[float, float]:
+def through_triton(texts: list[str], lengths: list[int]) -> tuple[float, float, float]:
+    """(streaming tok/s, non-streaming tok/s, seconds from start to ready)"""
     from backend.triton_server import ServerPorts, TritonServer
     log = Path(tempfile.mkdtemp(prefix="bench-triton-")) / "server.log"
     server = TritonServer(REPO, ServerPorts.free(), log_path=log,
@@ -88,10 +92,13 @@ def through_triton(texts: list[str], lengths: list[int]) -> tuple[float, float]:
     try:
         ready_s = server.wait_ready(900)
         stream_all(server.grpc_url, texts[:2], [4, 4])  # warm-up
-        elapsed, produced = stream_all(server.grpc_url, texts, lengths)
-        if produced != lengths:
-            raise RuntimeError("the server returned other output lengths than requested")
-        return sum(lengths) / elapsed, ready_s
+        rates = []
+        for stream in (True, False):
+            elapsed, produced = stream_all(server.grpc_url, texts, lengths, stream)
+            if produced != lengths:
+                raise RuntimeError("the server returned other output lengths than requested")
+            rates.append(sum(lengths) / elapsed)
+        return rates[0], rates[1], ready_s
     finally:
         server.stop()
 
@@ -105,10 +112,11 @@ def main() -> None:
     w = make_workload(args.workload, tok)
     texts = [tok.decode(p) for p in w.prompts]
     inproc = in_process(texts, w.max_tokens)
-    triton, ready_s = through_triton(texts, w.max_tokens)
+    streaming, whole, ready_s = through_triton(texts, w.max_tokens)
     print(f"\n{args.workload} workload, {len(texts)} requests, {sum(w.max_tokens)} output tokens")
-    print(f"{'in-process LLM.generate':<28}{inproc:>9.1f} tok/s")
-    print(f"{'Triton gRPC streaming':<28}{triton:>9.1f} tok/s   ({triton / inproc:.0%} of in-process)")
+    print(f"{'in-process LLM.generate':<30}{inproc:>9.1f} tok/s")
+    print(f"{'Triton gRPC, streaming':<30}{streaming:>9.1f} tok/s   ({streaming / inproc:.0%} of in-process)")
+    print(f"{'Triton gRPC, one response':<30}{whole:>9.1f} tok/s   ({whole / inproc:.0%} of in-process)")
     print(f"server start to ready: {ready_s:.1f} s")
 
 
