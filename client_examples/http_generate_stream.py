@@ -28,10 +28,12 @@ class GenerateError(RuntimeError):
 
 
 def stream_generate(base_url: str, model: str, body: dict, out=None, timeout_s: float = 600.0) -> dict:
-    """Print deltas as they arrive; returns the last event (which carries finish_reason etc.)."""
+    """Print deltas as they arrive; returns the last event (which carries finish_reason etc.)
+    with num_output_tokens summed over the stream (each event counts its own new tokens)."""
     out = out or sys.stdout
     url = f"{base_url}/v2/models/{model}/generate_stream"
     last: dict = {}
+    num_output_tokens = 0
     with requests.post(url, json=body, stream=True, timeout=timeout_s) as resp:
         if resp.status_code != 200:
             raise GenerateError(f"HTTP {resp.status_code}: {resp.text.strip()}")
@@ -40,8 +42,12 @@ def stream_generate(base_url: str, model: str, body: dict, out=None, timeout_s: 
                 raise GenerateError(event["error"])
             out.write(event.get("text_output", ""))
             out.flush()
+            count = event.get("num_output_tokens", 0) or 0
+            num_output_tokens += int(count[0] if isinstance(count, list) else count)
             last = event
     out.write("\n")
+    if "num_output_tokens" in last:
+        last = {**last, "num_output_tokens": num_output_tokens}
     return last
 
 
