@@ -88,8 +88,7 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
     index_select on whole flattened blocks is several times faster on CPU than
     advanced indexing of the 4-D cache.
     """
-    num_blocks, block_size = cache.shape[0], cache.shape[1]
-    rows = cache.view(num_blocks, -1).index_select(0, block_ids.reshape(-1))
+    rows = cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
     return rows.view(-1, cache.shape[2] * cache.shape[3])
 
 

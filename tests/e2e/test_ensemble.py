@@ -6,7 +6,7 @@ import pytest
 import requests
 
 from tests.e2e.shared import PROMPTS, greedy
-from tests.e2e.triton_clients import ensemble_inputs, infer_many, infer_one, llm_inputs
+from tests.e2e.triton_clients import ensemble_inputs, infer_many, infer_one
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,6 @@
 """Bad requests, engine failures: one clear FINAL error each, nobody else affected."""
 from __future__ import annotations
 
-import json
 import threading
 
 import numpy as np
