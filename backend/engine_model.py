@@ -28,12 +28,17 @@ class EngineModel:
         from engine import LLMEngine  # heavy (torch); after the cheap checks
 
         started = time.monotonic()
-        self.engine = LLMEngine(engine_config)
-        self.tokenizer = self.engine.tokenizer
         metrics = (TritonMetrics(self.model_name, args["model_version"])
                    if self.options.report_custom_metrics else NullMetrics())
         self._worker = ResponseWorker(metrics)
-        self._loop = EngineLoop(self.engine, self._worker, collect_metrics=self.options.report_custom_metrics)
+        try:
+            self._loop = EngineLoop(lambda: LLMEngine(engine_config), self._worker,
+                                    collect_metrics=self.options.report_custom_metrics)
+        except BaseException:
+            self._worker.stop()
+            raise
+        self.engine = self._loop.engine
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
         triton_io.log_info(f"{self.model_name}: engine ready in {time.monotonic() - started:.1f} s "
                            f"({engine_config.model or 'embedded SmolLM2-135M-Instruct'})")
