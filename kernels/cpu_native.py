@@ -39,6 +39,17 @@ def _cache_dir() -> Path:
     return Path(root) / "cpu_kernels"
 
 
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
+            for line in info:
+                if line.startswith(("flags", "Features")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     if os.environ.get("TLE_DISABLE_NATIVE_CPU_KERNELS") == "1":
@@ -47,7 +58,10 @@ def load_library() -> ctypes.CDLL | None:
     if compiler is None:
         logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
         return None
-    digest = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + os.uname().machine.encode())
+    # -march=native: a build is only valid on CPUs with the same features, and the cache
+    # directory may be shared (a home on NFS, an image built on another host).
+    digest = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + os.uname().machine.encode()
+                            + _cpu_features().encode())
     for source in [*SOURCES, *SOURCES[0].parent.glob("*.h")]:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"

@@ -12,6 +12,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# With a fast decode kernel, prefill chunks whose query_len * seq_len is at most this go
+# through it as decode rows (row j of a chunk ending at seq_len attends to the first
+# seq_len - query_len + j + 1 positions). Measured with the C kernel against SDPA on
+# fresh bf16 prompts, SmolLM2 shapes: 5.3x faster at 16 tokens, 3x at 64, 1.2x at 512,
+# slower from ~700 on, where SDPA's fused kernel wins.
+ROWS_MAX_WORK = 512 * 512
+
 # Up to this many KV heads the decode path multiplies against a block-diagonal query
 # matrix: one large contiguous GEMM per sequence beats KVH tiny strided ones on CPU
 # even though it does KVH times the (cheap) arithmetic. Beyond it the wasted FLOPs win.
@@ -41,8 +48,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
     there is one query row per sequence, the batch is pure decode and skips all
     per-sequence bookkeeping. max_seq_len is not needed on CPU. `decode`: a faster
-    implementation of decode_attention (same signature) to use for the decode rows.
+    implementation of decode_attention (same signature) to use for the decode rows and,
+    as rows with their own context lengths, for short prefill chunks (ROWS_MAX_WORK).
     """
+    fast_decode = decode
     decode = decode or decode_attention
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if max_query_len == 1 and num_tokens == num_seqs and int(query_start_loc[-1]) == num_tokens:
@@ -54,19 +63,26 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     total_tokens = int(query_start_loc[-1])
     if total_tokens < num_tokens:
         out[total_tokens:].zero_()
-    is_decode = query_lens == 1
-    if bool(is_decode.any()):
-        seq_ids = is_decode.nonzero().squeeze(1)
-        rows = query_start_loc[:-1].long().index_select(0, seq_ids)
+    as_rows = query_lens == 1
+    if fast_decode is not None:
+        as_rows |= query_lens.long() * seq_lens.long() <= ROWS_MAX_WORK
+    if bool(as_rows.any()):
+        seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=query.device),
+                                               query_lens.long(), output_size=total_tokens)
+        rows = as_rows[seq_of_token].nonzero().squeeze(1)
+        row_seqs = seq_of_token.index_select(0, rows)
+        # A chunk's last row sees the whole seq_len, each earlier row one position less.
+        row_lens = seq_lens.index_select(0, row_seqs) - (
+            query_start_loc.index_select(0, row_seqs + 1) - 1 - rows)
         decoded = decode(query.index_select(0, rows), key_cache, value_cache,
-                                   block_tables.index_select(0, seq_ids),
-                                   seq_lens.index_select(0, seq_ids), scale)
+                         block_tables.index_select(0, row_seqs), row_lens.to(seq_lens.dtype), scale)
         out.index_copy_(0, rows, decoded)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     capacity = block_tables.shape[1] * key_cache.shape[1]
+    by_rows = as_rows.tolist()
     for seq, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
-        if end - start > 1:
+        if end - start > 1 and not by_rows[seq]:
             if lengths[seq] > capacity:
                 raise ValueError(f"seq_lens: {lengths[seq]} exceeds what block_tables can "
                                  f"address ({capacity})")

@@ -80,7 +80,8 @@ static inline __attribute__((always_inline)) void run_item_d(const job_t *job, i
                 scores[h][t] = s;
                 m = s > m ? s : m;
             }
-            const float correction = expf(row_max[h] - m);
+            /* Nothing to correct on the first block (and expf's underflow path is slow). */
+            const float correction = start == 0 ? 0.f : expf(row_max[h] - m);
             float sum = row_sum[h] * correction;
             for (int t = 0; t < n; t++) { scores[h][t] = expf(scores[h][t] - m); sum += scores[h][t]; }
             row_max[h] = m;
