@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import host_memory
 from engine.models import AttentionMetadata
 from engine.models.loader import LoadedModel
 from engine.request import Request
@@ -37,8 +38,8 @@ class ModelRunner:
         self.vocab_size = loaded.vocab_size
         self.device = next(self.model.parameters()).device
         shape = (num_kv_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=loaded.dtype, device=self.device),
-                           torch.zeros(shape, dtype=loaded.dtype, device=self.device))
+        self.kv_caches = [(host_memory.zeros(shape, loaded.dtype, self.device),
+                           host_memory.zeros(shape, loaded.dtype, self.device))
                           for _ in range(loaded.num_layers)]
         self.sampler = Sampler(seed)
         self.inject_failure_at_step = inject_failure_at_step
