@@ -17,8 +17,14 @@ EOS = 0
 def workloads(draw, allow_aborts=True):
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.integers(16, 96))
-    # The pool always fits one max-length request, as the engine enforces at start-up.
-    num_blocks = draw(st.integers(-(-max_model_len // block_size), 3 * max_model_len // block_size + 4))
+    watermark = draw(st.sampled_from([0.0, 0.0, 0.05, 0.2]))
+    # The pool always fits one max-length request besides the watermark's reserve, as the
+    # engine enforces at start-up (else a long prompt could never be admitted).
+    needed = -(-max_model_len // block_size)
+    least = needed
+    while least - int(watermark * least) < needed:
+        least += 1
+    num_blocks = draw(st.integers(least, max(least, 3 * max_model_len // block_size + 4)))
     sched = SchedulerConfig(
         max_num_batched_tokens=draw(st.integers(1, 128)),
         max_num_seqs=draw(st.integers(1, 12)),
@@ -27,7 +33,7 @@ def workloads(draw, allow_aborts=True):
         policy=draw(st.sampled_from(["fcfs", "priority"])))
     cache = CacheConfig(num_kv_blocks=num_blocks, block_size=block_size,
                         enable_prefix_caching=draw(st.booleans()),
-                        watermark=draw(st.sampled_from([0.0, 0.0, 0.05, 0.2])))
+                        watermark=watermark)
     shared_prefix = draw(st.lists(st.integers(1, 50), max_size=40))
     requests = []
     for i in range(draw(st.integers(1, 25))):
