@@ -8,7 +8,7 @@ from backend import triton_io
 from backend.engine_loop import Inflight
 from backend.engine_model import EngineModel
 from backend.token_request_parsing import parse_token_request
-from backend.token_responses import TokenResponseBuilder
+from backend.token_responses import TokenResponseBuilder, decode_ids
 
 
 class TokenIdModel(EngineModel):
@@ -18,4 +18,4 @@ class TokenIdModel(EngineModel):
         return Inflight(request_id, parsed.prompt_token_ids, parsed.params, sender, builder.build, arrival)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return decode_ids(self.tokenizer, ids)

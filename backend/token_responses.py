@@ -11,7 +11,7 @@ decode(prefix), which is exactly the text the new ids add."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -20,6 +20,12 @@ from engine.request import RequestOutput
 
 PREFIX_TOKENS = 6
 _REPLACEMENT = "\ufffd"
+
+
+def decode_ids(tokenizer: Any, ids: list[int]) -> str:
+    """The token-id path's text for `ids`: the engine model (stop words) and
+    postprocessing (output text) must decode alike."""
+    return tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 def decode_after(decode: Callable[[list[int]], str], prefix: list[int], ids: list[int]) -> str:

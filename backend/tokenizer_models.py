@@ -4,6 +4,7 @@ Both are plain (non-decoupled) models that handle a whole batch per call; they l
 only the tokenizer, not the model weights."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import numpy as np
 
 from backend import triton_io
 from backend.request_parsing import InvalidRequest, decode_text
-from backend.token_responses import decode_after
+from backend.token_responses import decode_after, decode_ids
 
 
 def load_tokenizer(path: str) -> Any:
@@ -97,17 +98,12 @@ class PostprocessingModel(_TokenizerModel):
         lengths = inputs["SEQUENCE_LENGTH"]  # [batch, beam]
         prefixes = inputs["PREFIX_IDS"]  # [batch, k], -1 padded; optional
         batch, beams = tokens.shape[0], tokens.shape[1]
+        decode = functools.partial(decode_ids, self.tokenizer)
         texts = []
         for b in range(batch):
             prefix = [] if prefixes is None else [int(t) for t in prefixes[b] if t >= 0]
             for k in range(beams):
                 ids = [int(t) for t in tokens[b, k, :int(lengths[b, k])]]
-                texts.append(self._decode_after(prefix, ids))
+                # See backend/token_responses.py for why the prefix is decoded too.
+                texts.append(decode_after(decode, prefix, ids))
         return {"OUTPUT": triton_io.string_array(texts, (batch, beams))}
-
-    def _decode_after(self, prefix: list[int], ids: list[int]) -> str:
-        # See backend/token_responses.py for why the prefix is decoded too.
-        return decode_after(self._decode, prefix, ids)
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

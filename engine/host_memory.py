@@ -32,7 +32,7 @@ def _libc():
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """torch.zeros(shape, dtype, device), on huge pages for CPU buffers of 2 MB or more."""
     device = torch.device(device)
-    num_bytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    num_bytes = torch.Size(shape).numel() * dtype.itemsize
     libc = _libc()
     if device.type != "cpu" or libc is None or num_bytes < HUGE_PAGE:
         return torch.zeros(shape, dtype=dtype, device=device)

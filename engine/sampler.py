@@ -5,9 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.request import Request
 from engine.sampling_metadata import PenaltyTensors, SamplerState, SamplingMetadata
 from kernels import cpu_native
-from engine.request import Request
 
 _NEG_INF = float("-inf")
 

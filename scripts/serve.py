@@ -28,6 +28,13 @@ ENGINE_MODELS = ("llm", "tensorrt_llm")
 TOKENIZER_MODELS = ("preprocessing", "postprocessing")
 
 
+def _key_value(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     env = os.environ.get
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -38,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
     p.add_argument("--model", help="HF folder or .gguf for the engine and tokenizer models "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+    p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="engine parameter for the engine models, e.g. max_num_seqs=32")
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="load only these models (default: all)")
@@ -50,7 +57,7 @@ def repository_for(args: argparse.Namespace) -> Path:
     """The repository as given, or a copy with the requested overrides."""
     if not args.model and not args.param:
         return args.model_repository
-    engine_params = dict(kv.split("=", 1) for kv in args.param)
+    engine_params = dict(args.param)
     if args.model:
         engine_params["model"] = str(Path(args.model).resolve())
     params = {name: engine_params for name in ENGINE_MODELS}

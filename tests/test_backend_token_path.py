@@ -9,7 +9,7 @@ import pytest
 from backend.llm_responses import LLMResponseBuilder
 from backend.request_parsing import InvalidRequest, LLMRequest, ReturnFlags
 from backend.token_request_parsing import parse_token_request, words_from_trtllm_list
-from backend.token_responses import TokenResponseBuilder, decode_after
+from backend.token_responses import TokenResponseBuilder, decode_after, decode_ids
 from engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -23,7 +23,7 @@ def tokenizer():
 
 
 def decode_with(tokenizer):
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    return lambda ids: decode_ids(tokenizer, ids)
 
 
 def token_inputs(**extra):

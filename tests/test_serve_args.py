@@ -1,0 +1,24 @@
+"""scripts/serve.py's command line: engine overrides are KEY=VALUE, anything else is a
+clear usage error before a server starts."""
+import importlib.util
+
+import pytest
+
+from backend.triton_server import REPO_ROOT
+
+_spec = importlib.util.spec_from_file_location("serve", REPO_ROOT / "scripts" / "serve.py")
+serve = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(serve)
+
+
+def test_params_split_at_the_first_equals_sign():
+    args = serve.parse_args(["--param", "max_num_seqs=8", "--param", "model=/m/a=b"])
+    assert args.param == [("max_num_seqs", "8"), ("model", "/m/a=b")]
+
+
+@pytest.mark.parametrize("bad", ["max_num_seqs", "=8"])
+def test_param_without_key_and_value_is_a_usage_error(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.parse_args(["--param", bad])
+    assert exit_info.value.code == 2
+    assert f"expected KEY=VALUE, got {bad!r}" in capsys.readouterr().err
