@@ -1,7 +1,8 @@
 """Offline throughput: this engine's LLM.generate vs HF transformers, same machine,
 same prompts, one run. Prints output tokens/s and the ratios side by side.
 
-  python -m bench.bench_generate                      # both workloads, bf16
+  python -m bench.bench_generate                      # both workloads, dtype auto (the
+                                                      # peers run in the dtype it picks)
   python -m bench.bench_generate --workload fixed --skip-hf
   python -m bench.bench_generate --vllm-python /tmp/vllm-venv/bin/python   # + vLLM CPU (bench/vllm_peer.py),
                                                                            # alternated --rounds times
@@ -26,6 +27,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
+from kernels import cpu_features
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact be have do say get make "
@@ -108,7 +110,7 @@ def single_stream(llm: LLM, prompt: list[int], n: int = 128) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int) -> dict:
+def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int, dtype: str) -> dict:
     """vLLM's CPU build in its own venv, same prompts and lengths (bench/vllm_peer.py)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump({"prompts": w.prompts, "max_tokens": w.max_tokens}, f)
@@ -116,7 +118,7 @@ def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int) -> dict:
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
     script = Path(__file__).with_name("vllm_peer.py")
     done = subprocess.run([python, str(script), f.name, "--model", str(model_dir),
-                           "--repeat", str(repeat)], env=env,
+                           "--repeat", str(repeat), "--dtype", dtype], env=env,
                           capture_output=True, text=True, timeout=3600)
     os.unlink(f.name)
     if done.returncode != 0:
@@ -139,7 +141,7 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["fixed", "variable", "all"], default="all")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--hf-single-count", type=int, default=3,
                     help="requests timed for HF one-at-a-time (tok/s extrapolates)")
@@ -156,11 +158,12 @@ def main() -> None:
     llm = LLM(None, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048)
     tok = llm.get_tokenizer()
+    dtype = str(llm.llm_engine.loaded.dtype).removeprefix("torch.")  # what "auto" chose
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(default_model_dir(),
-                                                  torch_dtype=getattr(torch, args.dtype)).eval()
+                                                  torch_dtype=getattr(torch, dtype)).eval()
         hf.generation_config.eos_token_id = None
 
     names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
@@ -172,7 +175,7 @@ def main() -> None:
         for _ in range(args.rounds if args.vllm_python else 1):
             ours = max(ours, run_engine(llm, w, args.repeat))
             if args.vllm_python:
-                vllm = run_vllm(args.vllm_python, w, default_model_dir(), args.repeat)
+                vllm = run_vllm(args.vllm_python, w, default_model_dir(), args.repeat, dtype)
                 vllm_best = max(vllm_best or 0.0, vllm["batch_tok_s"])
                 if name == "fixed":
                     peer_single = max(peer_single or 0.0, vllm["single_tok_s"])
@@ -181,7 +184,8 @@ def main() -> None:
         rows.append((name, ours, static, single, vllm_best))
 
     nan = float("nan")
-    print(f"\nthreads={torch.get_num_threads()} dtype={args.dtype}  (output tokens/s)")
+    print(f"\nCPU {cpu_features.detect().describe()}, threads={torch.get_num_threads()} "
+          f"dtype={dtype} (--dtype {args.dtype})  (output tokens/s)")
     print(f"{'workload':<10}{'engine':>9}{'HF static':>11}{'HF single':>11}{'vLLM CPU':>10}"
           f"{'vs static':>11}{'vs single':>11}{'vs vLLM':>9}")
     for name, ours, static, single, vllm in rows:

@@ -31,7 +31,7 @@ Rounds = list[tuple[list[str], list[int]]]  # (prompts, output lengths) per roun
 
 
 def in_process(rounds: Rounds) -> list[float]:
-    llm = LLM(None, dtype="bfloat16", max_num_seqs=64, max_model_len=2048)
+    llm = LLM(None, max_num_seqs=64, max_model_len=2048)  # dtype auto, as the server
     llm.generate(rounds[0][0][:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     rates = []
     for texts, lengths in rounds:

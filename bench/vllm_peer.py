@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--model", required=True)
     ap.add_argument("--single-tokens", type=int, default=128)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--dtype", default="bfloat16", help="as the engine runs (bench_generate passes it)")
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
     args = ap.parse_args()
 
@@ -49,7 +50,7 @@ def main():
     import_s = time.perf_counter() - t_import
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype="bfloat16", max_num_seqs=64, seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=64, seed=0)
     startup_s = time.perf_counter() - t0
 
     # Warm-up: 2 short prompts (first 8 tokens of prompts 0 and 1), 8 tokens each.

@@ -63,12 +63,16 @@ class EngineConfig:
     config.pbtxt string parameters through `from_dict`; nothing re-parses later."""
     model: str | None = None  # None: the embedded SmolLM2-135M-Instruct
     tokenizer: str | None = None
-    dtype: str = "bfloat16"
+    # "auto": bf16 where the CPU computes it natively (AMX, AVX-512 BF16), else float32;
+    # on a GPU, the checkpoint's half dtype (models/loader.py resolve_dtype).
+    dtype: str = "auto"
     # "auto": CUDA when torch sees a GPU (Triton kernels), else the CPU (C/torch kernels).
     device: str = "auto"
     seed: int = 0
     max_logprobs: int = 20
-    num_threads: int = 0  # 0: leave torch's default
+    # 0: every CPU the process may use (affinity, cgroup quota), fewer while other
+    # processes keep some of them busy (engine/cpu_threads.py); N: exactly N threads.
+    num_threads: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # Test-only: the model runner raises at this (1-based) engine step, once.
@@ -81,6 +85,8 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not isinstance(self.num_threads, int) or self.num_threads < 0:
+            raise ValueError(f"num_threads must be an integer >= 0, got {self.num_threads!r}")
 
     @property
     def torch_device(self) -> str:

@@ -3,18 +3,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from engine.config import EngineConfig
+from engine.cpu_threads import configure_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
                             SamplingParams)
 from engine.scheduler import Scheduler
+from kernels import cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +58,8 @@ class LLMEngine:
             config = EngineConfig.from_dict(engine_args)
         elif engine_args:
             raise ValueError("pass either an EngineConfig or engine arguments, not both")
-        if config.num_threads > 0:
-            torch.set_num_threads(config.num_threads)
+        self._threads = configure_threads(config.num_threads, cpu_features.detect().num_cpus,
+                                          config.torch_device)
         loaded = load_model(config.model, config.dtype, device=config.torch_device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
@@ -66,13 +69,18 @@ class LLMEngine:
                                   seed=self.config.seed,
                                   inject_failure_at_step=self.config.inject_failure_at_step)
         self.scheduler = Scheduler(sched_cfg, cache_cfg)
+        warm_start = time.perf_counter()
+        self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
+        warm_up_s = time.perf_counter() - warm_start
         self.eos_token_id = loaded.eos_token_id
         self._tracked: dict[str, _Tracked] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
-        logger.info("engine ready: model %s, %d KV blocks x %d tokens, max_model_len %d",
-                    loaded.model_dir, cache_cfg.num_kv_blocks, cache_cfg.block_size,
-                    sched_cfg.max_model_len)
+        logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
+                    "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
+                    str(loaded.dtype).removeprefix("torch."), cache_cfg.num_kv_blocks,
+                    cache_cfg.block_size, sched_cfg.max_model_len, cpu_features.detect().describe(),
+                    loaded.load_seconds, warm_up_s)
 
     @staticmethod
     def _resolve(config: EngineConfig, loaded) -> EngineConfig:
@@ -158,6 +166,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled_requests:
             return []
+        if self._threads is not None and (threads := self._threads.update()):
+            torch.set_num_threads(threads)
         try:
             result = self.runner.execute(sched_out)
         except Exception as exc:

@@ -23,12 +23,14 @@ from pathlib import Path
 
 import torch
 
+from kernels import cpu_features
+
 logger = logging.getLogger(__name__)
 SOURCES = sorted((Path(__file__).parent / "cpu").glob("*.c"))
 # -ffast-math is for compiling only: gcc links crtfastmath.o into anything *linked*
 # with it, and that object turns on flush-to-zero for the whole process at load time,
 # silently changing torch's numerics. Hence two steps.
-COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fPIC", "-fopenmp", "-c"]
+COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
@@ -39,29 +41,22 @@ def _cache_dir() -> Path:
     return Path(root) / "cpu_kernels"
 
 
-def _cpu_features() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as info:
-            for line in info:
-                if line.startswith(("flags", "Features")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
-
-
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     if os.environ.get("TLE_DISABLE_NATIVE_CPU_KERNELS") == "1":
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found; CPU decode attention uses the slower torch path")
+        logger.warning("no C compiler found; the CPU kernels (attention, fused element-wise "
+                       "ops, KV writes) use the slower torch path")
         return None
-    # -march=native: a build is only valid on CPUs with the same features, and the cache
-    # directory may be shared (a home on NFS, an image built on another host).
-    digest = hashlib.sha256(" ".join(COMPILE_FLAGS + LINK_FLAGS).encode() + os.uname().machine.encode()
-                            + _cpu_features().encode())
+    features = cpu_features.detect()
+    compile_flags = [*COMPILE_FLAGS, *features.compile_flags()]
+    # The build targets this CPU (or the capped level): it is only valid on CPUs with the
+    # same features, and the cache directory may be shared (a home on NFS, an image built
+    # on another host).
+    digest = hashlib.sha256(" ".join(compile_flags + LINK_FLAGS).encode() + features.machine.encode()
+                            + " ".join(sorted(features.flags)).encode())
     for source in [*SOURCES, *SOURCES[0].parent.glob("*.h")]:
         digest.update(source.read_bytes())
     target = _cache_dir() / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
@@ -72,17 +67,19 @@ def load_library() -> ctypes.CDLL | None:
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             objects = [os.path.join(tmp, f"{src.stem}.o") for src in SOURCES]
             lib_path = os.path.join(tmp, "kernels.so")
-            commands = [[compiler, *COMPILE_FLAGS, str(src), "-o", obj]
+            commands = [[compiler, *compile_flags, str(src), "-o", obj]
                         for src, obj in zip(SOURCES, objects)]
             commands.append([compiler, *objects, *LINK_FLAGS, "-o", lib_path])
             for cmd in commands:
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
-                    logger.warning("building the CPU attention kernel failed, using torch: %s",
+                    logger.warning("building the CPU kernels for %s failed; the torch path "
+                                   "runs instead: %s", features.describe(),
                                    result.stderr.strip()[-2000:])
                     return None
             os.replace(lib_path, target)
     lib = ctypes.CDLL(str(target))
+    logger.info("native CPU kernels loaded for %s (%s)", features.describe(), target.name)
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
         "paged_decode_attention": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),

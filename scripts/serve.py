@@ -2,11 +2,17 @@
 
     scripts/serve.sh [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
                      [--host 127.0.0.1] [--model PATH] [--param KEY=VALUE ...]
-                     [--load-model llm ...]
+                     [--load-model llm ...] [--exit-timeout-secs 20]
 
 Ports and host may also come from TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT / TRITON_HOST. --model and --param override the engine models'
 config.pbtxt parameters in a copy of the repository under .triton/.
+
+SIGTERM or SIGINT (Ctrl-C) stops tritonserver gracefully: it refuses new requests, lets
+in-flight ones finish, unloads the models, and serve exits with status 0 as soon as it
+has stopped (requests still running after --exit-timeout-secs are cut: tritonserver is
+killed). A second SIGTERM/SIGINT kills it at once. tritonserver and its python backend
+stubs never outlive serve, even when serve is SIGKILLed.
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import ctypes
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -50,6 +57,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="load only these models (default: all)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--exit-timeout-secs", type=int, default=20, metavar="S",
+                   help="on SIGTERM/SIGINT, how long in-flight requests may run before "
+                        "tritonserver is killed (default: 20, within Kubernetes' 30 s grace period)")
     return p.parse_args(argv)
 
 
@@ -77,35 +87,143 @@ def check_libpython() -> None:
                  f"(Debian/Ubuntu: apt-get install libpython{sys.version_info.major}.{sys.version_info.minor})")
 
 
+# With requests still in flight at its exit timeout, Triton "exits immediately" and that
+# exit crashes (SIGSEGV/SIGABRT in its backends' threads), sometimes hanging in its crash
+# handler. So serve enforces --exit-timeout-secs itself, by SIGKILLing tritonserver and
+# its stubs, and passes Triton this much more as a backstop.
+TRITON_EXTRA_EXIT_S = 5
+
+
+class StopSignals:
+    """SIGTERM/SIGINT handling: the first signal asks tritonserver to stop gracefully,
+    a second one kills it. The handler never blocks; the main thread does the waiting."""
+
+    def __init__(self) -> None:
+        self.server: TritonServer | None = None
+        self.received: list[int] = []
+        self.first_at = 0.0
+
+    def install(self) -> None:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.handle)
+
+    def handle(self, signum: int, _frame: object = None) -> None:
+        self.received.append(signum)
+        name = signal.Signals(signum).name
+        # os.write, not print: the handler may interrupt a print of the main thread.
+        if len(self.received) == 1:
+            self.first_at = time.monotonic()
+            os.write(2, f"\nserve: {name}: stopping tritonserver ({name} again to kill it)\n".encode())
+            if self.server is not None:
+                self.server.request_stop()
+        else:
+            os.write(2, f"\nserve: {name} again: killing tritonserver\n".encode())
+            if self.server is None:
+                raise SystemExit(self.killed_status)
+            self.server.kill()
+
+    def attach(self, server: TritonServer) -> None:
+        """From now on signals go to `server`; one that came before still counts."""
+        self.server = server
+        if len(self.received) == 1:
+            server.request_stop()  # idempotent: a signal racing this line sends one SIGINT
+        elif self.received:
+            server.kill()
+
+    @property
+    def stopping(self) -> bool:
+        return bool(self.received)
+
+    @property
+    def killed(self) -> bool:
+        return len(self.received) > 1
+
+    @property
+    def killed_status(self) -> int:
+        return 128 + self.received[-1]
+
+
+def wait_ready(server: TritonServer, signals: StopSignals, timeout: float) -> bool | None:
+    """True once tritonserver is ready, False if it exits or a stop is requested first,
+    None after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not signals.stopping and server.process.poll() is None:
+        if server.is_ready():
+            return True
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.25)
+    return False
+
+
+def wait_exit(server: TritonServer, signals: StopSignals, exit_timeout: float) -> int:
+    """tritonserver's status as soon as it exits: it is reaped at once, never left a
+    zombie. A requested stop still running `exit_timeout` s after the signal (requests
+    in flight) ends with SIGKILL to tritonserver and its stubs."""
+    cut = False
+    while True:
+        try:
+            return server.process.wait(timeout=0.2)
+        except subprocess.TimeoutExpired:
+            pass
+        if signals.stopping and not cut and time.monotonic() - signals.first_at >= exit_timeout:
+            print(f"serve: tritonserver still running at the exit timeout ({exit_timeout:g} s), "
+                  "in-flight requests are cut: killing it", file=sys.stderr, flush=True)
+            server.kill()
+            cut = True
+
+
+def exit_status(returncode: int, signals: StopSignals) -> int:
+    """0 after a stop requested by one signal (even if the exit timeout cut requests),
+    128+N after a second signal N, tritonserver's own status when it exited by itself."""
+    if signals.killed:
+        return signals.killed_status
+    if signals.stopping:
+        print(f"serve: tritonserver stopped {time.monotonic() - signals.first_at:.1f} s after "
+              f"the stop request (status {returncode})", file=sys.stderr, flush=True)
+        return 0
+    print(f"serve: tritonserver exited by itself with status {returncode}", file=sys.stderr, flush=True)
+    return 128 - returncode if returncode < 0 else returncode  # -N: killed by signal N
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     check_libpython()
+    signals = StopSignals()
+    signals.install()
     prepare_server_dir()
     if not args.model:
         # Convert the embedded GGUF once here; otherwise every model process would
         # convert it concurrently on first start.
         from engine.models.gguf_cache import default_model_dir
         default_model_dir()
-    extra = ["--exit-timeout-secs=30"]
+    repository = repository_for(args)
+    if signals.stopping:
+        return 0
+    extra = [f"--exit-timeout-secs={args.exit_timeout_secs + TRITON_EXTRA_EXIT_S}"]
     if args.load_model:
         extra += ["--model-control-mode=explicit", *[f"--load-model={m}" for m in args.load_model]]
-    server = TritonServer(repository_for(args), ServerPorts(args.http_port, args.grpc_port, args.metrics_port),
+    server = TritonServer(repository, ServerPorts(args.http_port, args.grpc_port, args.metrics_port),
                           host=args.host, extra_args=extra)
-    server.start()
-    stop = lambda *_: server.stop()  # noqa: E731
-    signal.signal(signal.SIGTERM, stop)
     try:
-        server.wait_ready(args.ready_timeout)
-        print(f"\nTriton ready in {time.monotonic() - started:.1f} s (since serve started)\n"
-              f"  HTTP     http://{server.http_url}   (POST /v2/models/llm/generate, /generate_stream)\n"
-              f"  gRPC     {server.grpc_url}\n"
-              f"  metrics  {server.metrics_url}\n", flush=True)
-        return server.process.wait()
-    except KeyboardInterrupt:
-        return 0
+        server.start()
+        signals.attach(server)
+        ready = wait_ready(server, signals, args.ready_timeout)
+        if ready is None:
+            print(f"serve: tritonserver not ready after {args.ready_timeout:.0f} s", file=sys.stderr)
+            server.stop(args.exit_timeout_secs)
+            return 1
+        if ready:
+            print(f"\nTriton ready in {time.monotonic() - started:.1f} s (since serve started)\n"
+                  f"  HTTP     http://{server.http_url}   (POST /v2/models/llm/generate, /generate_stream)\n"
+                  f"  gRPC     {server.grpc_url}\n"
+                  f"  metrics  {server.metrics_url}\n", flush=True)
+        return exit_status(wait_exit(server, signals, args.exit_timeout_secs), signals)
     finally:
-        server.stop()
+        if signals.killed:
+            server.kill()
+        server.stop()  # normally it has exited: this only kills what is left of its group
 
 
 if __name__ == "__main__":

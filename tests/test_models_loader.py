@@ -9,12 +9,13 @@ import shutil
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.models import default_model_dir, load_model
 from engine.models import gguf_cache
 from engine.models.loader import resolve_dtype
 from engine.models.tiny import make_tiny_model_dir
+from kernels import cpu_features
 from tests.test_models_support import PagedBatchBuilder, hf_logits
 
 pytestmark = pytest.mark.timeout(300)
@@ -61,11 +62,47 @@ def test_qwen2_tied_embeddings_and_bias(tmp_path):
     assert torch.equal(attn.qkv_proj.bias[:64], hf_state["model.layers.0.self_attn.q_proj.bias"])
 
 
-def test_default_dtype_is_bf16_for_fp32_checkpoints(tiny_dir):
+def _features(isa: str) -> cpu_features.CpuFeatures:
+    flags = frozenset().union(*(needs for level, needs in cpu_features._NEEDS.items()
+                                if cpu_features.X86_LEVELS.index(level)
+                                <= cpu_features.X86_LEVELS.index(isa)))
+    return cpu_features.CpuFeatures("x86_64", flags, isa, isa, 2)
+
+
+@pytest.mark.parametrize("isa, expected", [("baseline", torch.float32), ("avx2", torch.float32),
+                                           ("avx512", torch.float32),
+                                           ("avx512_bf16", torch.bfloat16),
+                                           ("amx", torch.bfloat16)])
+def test_auto_dtype_follows_the_cpu(tiny_dir, monkeypatch, isa, expected):
+    config = AutoConfig.from_pretrained(tiny_dir)  # an fp32 checkpoint
+    monkeypatch.setattr(cpu_features, "detect", lambda: _features(isa))
+    assert resolve_dtype("auto", config, "cpu") == expected
+    assert resolve_dtype(None, config, "cpu") == expected
+    # On a GPU the CPU does not matter: an fp32 checkpoint runs in bf16, as in vLLM.
+    assert resolve_dtype("auto", config, "cuda") == torch.bfloat16
+
+
+def test_auto_dtype_loads_on_this_cpu(tiny_dir):
+    features = cpu_features.detect()
     loaded = load_model(tiny_dir, "auto")
-    assert loaded.dtype == torch.bfloat16
-    assert loaded.model.model.layers[0].mlp.gate_up_proj.weight.dtype == torch.bfloat16
-    assert loaded.kv_cache_bytes_per_token() == 2 * 2 * 2 * 16 * 2
+    expected = torch.bfloat16 if features.native_bf16 else torch.float32
+    assert loaded.dtype == expected
+    assert loaded.model.model.layers[0].mlp.gate_up_proj.weight.dtype == expected
+    assert loaded.kv_cache_bytes_per_token() == 2 * 2 * 2 * 16 * expected.itemsize
+
+
+def test_explicit_bf16_runs_unpacked_where_oneDNN_cannot_prepack(tiny_dir, monkeypatch, caplog):
+    """An AVX2-only CPU: oneDNN refuses the bf16 weight reorder; the model must still load
+    (plain F.linear, slower) and say why, and agree with the prepacked-or-not fp32 run."""
+    monkeypatch.setattr(cpu_features, "detect", lambda: _features("avx2"))
+    with caplog.at_level("WARNING", logger="engine.models.loader"):
+        bf16 = load_model(tiny_dir, "bfloat16")
+    assert "emulated" in caplog.text and "avx2" in caplog.text
+    assert all(m.packed is None for m in bf16.model.modules() if hasattr(m, "packed"))
+    toks = [5, 99, 1234, 40000, 7]
+    got = _last_logits(bf16, toks).float()
+    ref = _last_logits(load_model(tiny_dir, torch.float32), toks)
+    assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max()) + 0.05
 
 
 def test_bin_checkpoint_fallback(tiny_dir, tmp_path):

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_native
+from kernels import cpu_features, cpu_native
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -15,8 +15,10 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 
 def can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN's blocked weight layout speeds up bf16 matmuls on x86 CPUs (measured
-    ~1.3-2x for decode-sized batches here); other devices and dtypes keep F.linear."""
+    ~1.3-2x for decode-sized batches on AVX-512); CPUs that oneDNN cannot reorder bf16
+    for (AVX2 only), other devices and dtypes keep F.linear."""
     return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16
+            and cpu_features.detect().can_prepack_bf16
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 # numerics close enough that greedy argmax never flips on the random weights.
 TINY_ENGINE_ARGS = {"dtype": "float32", "block_size": "16", "num_kv_blocks": "256",
                     "max_num_seqs": "64", "max_model_len": "512", "max_num_batched_tokens": "1024"}
-DEFAULT_MODEL_ARGS = {"dtype": "bfloat16", "block_size": "16", "num_kv_blocks": "128",
+DEFAULT_MODEL_ARGS = {"dtype": "auto", "block_size": "16", "num_kv_blocks": "128",
                       "max_num_seqs": "8", "max_model_len": "1024"}
 FAILURE_STEP = 3
 

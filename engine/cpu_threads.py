@@ -1,0 +1,105 @@
+"""How many OpenMP threads the forward pass uses: the CPUs this process may use (affinity
+mask, cgroup quota), less those a busy neighbour is taking right now.
+
+Why adapt: torch's parallel ops split work evenly over their threads and end in a
+barrier, so one thread that shares its core with another CPU-bound process makes every
+op wait for that process's time slice. Measured on 2 cores (AVX2 EPYC) with one busy
+neighbour: 2 threads ran several times slower than 1 thread. The governor samples
+/proc/stat once a second, counts the CPU time that others spent on our CPUs (steal time
+included), and runs on the CPUs left over.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+def read_cpu_busy(cpus: frozenset[int], path: str = "/proc/stat") -> int | None:
+    """Busy clock ticks (all but idle and iowait) summed over `cpus`; None if unreadable."""
+    try:
+        with open(path, encoding="ascii") as stat:
+            lines = stat.readlines()
+    except OSError:
+        return None
+    busy = 0
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(v) for v in rest.split()]
+        busy += sum(ticks[:8]) - ticks[3] - ticks[4]  # user..steal, less idle and iowait
+    return busy
+
+
+def read_self_ticks(path: str = "/proc/self/stat") -> int | None:
+    """utime + stime of this whole process, in clock ticks."""
+    try:
+        with open(path, encoding="ascii") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except OSError:
+        return None
+    return int(fields[11]) + int(fields[12])
+
+
+@dataclass
+class ThreadGovernor:
+    """Call `update()` once per engine step; it re-plans at most every `interval_s`."""
+    max_threads: int
+    cpus: frozenset[int]
+    interval_s: float = 1.0
+    clock: Callable[[], float] = time.monotonic
+    read_busy: Callable[[frozenset[int]], int | None] = read_cpu_busy
+    read_self: Callable[[], int | None] = read_self_ticks
+    ticks_per_s: float = field(default_factory=lambda: float(os.sysconf("SC_CLK_TCK")))
+    threads: int = 0
+    _last: tuple[float, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        self.threads = self.max_threads
+
+    def update(self) -> int | None:
+        """The new thread count when it should change, else None."""
+        if self.max_threads <= 1:
+            return None
+        now = self.clock()
+        if self._last is not None and now - self._last[0] < self.interval_s:
+            return None
+        busy, own = self.read_busy(self.cpus), self.read_self()
+        if busy is None or own is None:
+            return None
+        last, self._last = self._last, (now, busy, own)
+        if last is None:
+            return None
+        elapsed = (now - last[0]) * self.ticks_per_s
+        others = max(0.0, (busy - last[1]) - (own - last[2])) / max(elapsed, 1e-9)
+        wanted = max(1, min(self.max_threads, round(len(self.cpus) - others)))
+        if wanted == self.threads:
+            return None
+        logger.info("CPU threads %d -> %d: other processes are using %.1f of our %d CPUs",
+                    self.threads, wanted, others, len(self.cpus))
+        self.threads = wanted
+        return wanted
+
+
+def affinity_cpus() -> frozenset[int]:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
+def configure_threads(num_threads: int, usable: int, device: str) -> ThreadGovernor | None:
+    """Set torch's thread count on the calling (engine) thread: `num_threads` if given,
+    else every usable CPU, adapted while serving by the returned governor."""
+    if not device.startswith("cpu"):
+        return None
+    import torch
+    torch.set_num_threads(num_threads or usable)
+    if num_threads:
+        return None
+    return ThreadGovernor(usable, affinity_cpus())
