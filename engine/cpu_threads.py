@@ -48,7 +48,8 @@ def read_self_ticks(path: str = "/proc/self/stat") -> int | None:
 
 @dataclass
 class ThreadGovernor:
-    """Call `update()` once per engine step; it re-plans at most every `interval_s`."""
+    """Call `update()` once per engine step; it samples at most every `interval_s` and
+    changes the count when two samples in a row ask for the same new one."""
     max_threads: int
     cpus: frozenset[int]
     interval_s: float = 1.0
@@ -58,6 +59,7 @@ class ThreadGovernor:
     ticks_per_s: float = field(default_factory=lambda: float(os.sysconf("SC_CLK_TCK")))
     threads: int = 0
     _last: tuple[float, int, int] | None = None
+    _proposed: int | None = None
 
     def __post_init__(self) -> None:
         self.threads = self.max_threads
@@ -78,7 +80,10 @@ class ThreadGovernor:
         elapsed = (now - last[0]) * self.ticks_per_s
         others = max(0.0, (busy - last[1]) - (own - last[2])) / max(elapsed, 1e-9)
         wanted = max(1, min(self.max_threads, round(len(self.cpus) - others)))
-        if wanted == self.threads:
+        # Two samples in a row must agree: a burst of the server's own gRPC/IPC threads
+        # or a short-lived process should not make the pool flap.
+        proposed, self._proposed = self._proposed, wanted
+        if wanted == self.threads or wanted != proposed:
             return None
         logger.info("CPU threads %d -> %d: other processes are using %.1f of our %d CPUs",
                     self.threads, wanted, others, len(self.cpus))

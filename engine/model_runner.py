@@ -131,42 +131,25 @@ class ModelRunner:
     def free(self, request_id: str) -> None:
         self.sampler.free(request_id)
 
-    @torch.inference_mode()
     def warm_up(self, max_num_tokens: int, max_num_seqs: int) -> None:
-        """Run a small prefill and a full batch of decodes with sampling once, before
+        """Run a small prefill and a full batch of decodes through `execute` once, before
         serving (as vLLM's dummy run): the first step of a process paid ~0.8 s of MKL and
         oneDNN set-up plus the native kernels' load (fp32, AVX2 EPYC), and the first
-        users of a fresh server paid it. The dummy K/V lands in blocks that no request
-        owns yet, so it is never read."""
+        users of a fresh server paid it. The requests exist only here; their K/V lands in
+        blocks that no request owns yet, so it is never read."""
         bs = self.block_size
         prefill_len = min(max_num_tokens, 4 * bs)
-        table = torch.arange(-(-prefill_len // bs), dtype=torch.int32).unsqueeze(0)
-        self._dummy_forward(table, [prefill_len], [prefill_len])
-        # Decodes of a full batch, each over one block of context.
-        decodes = min(max_num_seqs, max_num_tokens)
-        hidden = self._dummy_forward(torch.zeros(decodes, 1, dtype=torch.int32),
-                                     [1] * decodes, [bs] * decodes)
-        logits = self.model.compute_logits(hidden, upcast=False)
-        requests = [Request(f"warm-up-{i}", [0], SamplingParams(
+        num_decodes = max(1, min(max_num_seqs, max_num_tokens - prefill_len))
+        prefill = [Request("warm-up-prefill", [0] * prefill_len)]
+        decodes = [Request(f"warm-up-{i}", [0] * bs, SamplingParams(
             temperature=0.0 if i % 2 else 1.0, top_p=0.9, top_k=50, seed=i, logprobs=1))
-            for i in range(decodes)]
-        self.sampler(logits, self.sampler.prepare(requests, self.vocab_size, self.device))
-        for request in requests:
-            self.sampler.free(request.request_id)
-
-    def _dummy_forward(self, block_table: torch.Tensor, query_lens: list[int],
-                       seq_lens: list[int]) -> torch.Tensor:
-        q_lens = torch.tensor(query_lens)
-        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(query_lens)), q_lens)
-        positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
-        slots = block_table[seq_index, positions // self.block_size].long() * self.block_size \
-            + positions % self.block_size
-        meta = AttentionMetadata(slot_mapping=slots.to(self.device),
-                                 block_tables=block_table.to(self.device),
-                                 query_start_loc=qsl.to(self.device),
-                                 seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(self.device),
-                                 max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-        input_ids = torch.zeros(len(positions), dtype=torch.int64, device=self.device)
-        return self.model(input_ids, positions.to(self.device), self.kv_caches, meta)
+            for i in range(num_decodes)]
+        for batch, num_tokens in ((prefill, prefill_len), (decodes, 1)):
+            for request in batch:
+                request.num_computed_tokens = request.num_tokens  # counts this step's tokens
+            self.execute(SchedulerOutput(
+                batch, {r.request_id: num_tokens for r in batch}, num_tokens * len(batch),
+                block_ids={r.request_id: list(range(-(-r.num_tokens // bs))) for r in batch}))
+            for request in batch:
+                self.free(request.request_id)
+        self.num_steps = 0

@@ -143,13 +143,16 @@ def test_governor_gives_up_threads_to_a_busy_neighbour_and_takes_them_back():
 
     assert gov.update() is None                # first sample: nothing to compare yet
     assert second(3.9, 0.0) is None            # quiet: all 4 threads stay
-    assert second(3.0, 1.0) == 3               # one busy neighbour: 3 threads
+    assert second(3.0, 1.0) is None            # one busy neighbour: one sample is not enough
+    assert second(3.0, 1.0) == 3               # ... two are: 3 threads
     assert gov.threads == 3
     state["busy"] += 300                       # a burst within the same interval:
-    assert gov.update() is None                # re-planned at most once per interval
+    assert gov.update() is None                # sampled at most once per interval
     state["busy"] -= 300
-    assert second(2.0, 2.1) == 2               # two neighbours
-    assert second(2.0, 0.0) == 4               # they left
-    assert second(1.0, 9.0) == 1               # never below one thread
+    assert second(2.0, 2.1) is None and second(2.0, 2.1) == 2  # two neighbours
+    assert second(2.0, 0.0) is None            # a one-sample lull does not flap back
+    assert second(1.0, 2.0) is None
+    assert second(2.0, 0.0) is None and second(2.0, 0.0) == 4  # they left
+    assert second(1.0, 9.0) is None and second(1.0, 9.0) == 1  # never below one thread
     single = ThreadGovernor(max_threads=1, cpus=frozenset({0}), clock=clock)
     assert single.update() is None
