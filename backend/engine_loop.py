@@ -1,34 +1,24 @@
 """The engine thread: admits requests, steps the engine while there is work, routes
 each request's output to its Triton response sender, and handles cancellation and
-engine failures. Only this thread touches the engine after start-up."""
+engine failures. Only this thread touches the engine after start-up.
+
+Admission control sits in front of it: `refusal()` is asked before a request is even
+parsed, and says UNAVAILABLE once MAX_QUEUE_LEN requests wait or the loop has died. An
+exception escaping the loop outside engine.step() ends the thread, but never silently:
+every queued and in-flight request gets UNAVAILABLE, so does every later one, and
+`on_death` lets the model report itself unhealthy."""
 from __future__ import annotations
 
 import collections
 import threading
 import time
 import traceback
-from dataclasses import dataclass
 from typing import Any, Callable
 
-import numpy as np
-
 from backend import triton_io
+from backend.inflight import Inflight, record_timings
 from backend.metrics import StepMetrics
 from backend.response_worker import ResponseWorker
-from engine.request import RequestOutput, SamplingParams
-
-
-@dataclass(slots=True)
-class Inflight:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    sender: Any
-    # RequestOutput -> tensors to send, or None when this step has nothing for the client.
-    build: Callable[[RequestOutput], dict[str, np.ndarray] | None]
-    arrival: float
-    first_token_at: float | None = None
-    last_token_at: float | None = None
 
 
 class EngineLoop:
@@ -40,14 +30,29 @@ class EngineLoop:
     decode steps 40% slower than in-process)."""
 
     def __init__(self, make_engine: Callable[[], Any], worker: ResponseWorker,
-                 collect_metrics: bool) -> None:
+                 collect_metrics: bool, max_queue_len: int = 0, fail_at_step: int = 0,
+                 on_death: Callable[[str], None] | None = None) -> None:
         self._worker = worker
         self._collect_metrics = collect_metrics
+        self._max_queue_len = max_queue_len
+        self._fail_at_step = fail_at_step  # test-only: raise outside step() after this step
+        self._on_death = on_death
         self._cond = threading.Condition()
+        # Guarded by _cond: the inbox, the counters and the stop/death state.
         self._inbox: collections.deque[Inflight] = collections.deque()
-        self._active: dict[str, Inflight] = {}
+        # Requests accepted but not running yet: the inbox plus the engine's WAITING
+        # queue as of the last step (counted up at once on submit, so a burst between
+        # two steps cannot overshoot).
+        self._num_queued = 0
+        self._num_rejected = 0  # refused as "server busy" since the last metrics record
+        self._death: str | None = None
         self._stopping = False
         self._drain_deadline = 0.0
+        # Engine thread only: taken from the inbox, not yet handed to the engine (kept
+        # here, not in a local, so a loop that dies mid-admission still answers them).
+        self._pending: collections.deque[Inflight] = collections.deque()
+        self._active: dict[str, Inflight] = {}
+        self._num_steps = 0
         self._built = threading.Event()
         self._build_error: BaseException | None = None
         self.engine: Any = None
@@ -58,13 +63,38 @@ class EngineLoop:
         if self._build_error is not None:
             raise self._build_error
 
+    def refusal(self) -> str | None:
+        """Why a new request must get UNAVAILABLE right now, or None to accept it. Cheap:
+        execute asks before parsing, so an overloaded model sheds load without tokenizing."""
+        with self._cond:
+            closed = self._closed_reason()
+            if closed is not None:
+                return closed
+            if self._max_queue_len and self._num_queued >= self._max_queue_len:
+                self._num_rejected += 1
+                return (f"server busy: {self._num_queued} requests already queued "
+                        f"(MAX_QUEUE_LEN={self._max_queue_len}); retry later")
+        return None
+
     def submit(self, request: Inflight) -> None:
         with self._cond:
-            if self._stopping:
-                self._worker.send_error(request.sender, "model is shutting down", triton_io.UNAVAILABLE)
+            closed = self._closed_reason()
+            if closed is None:
+                self._inbox.append(request)
+                self._num_queued += 1
+                self._cond.notify()
                 return
-            self._inbox.append(request)
-            self._cond.notify()
+        self._worker.send_error(request.sender, closed, triton_io.UNAVAILABLE)
+
+    def _closed_reason(self) -> str | None:
+        # Caller holds _cond.
+        if self._death is not None:
+            return f"model is unavailable: its engine stopped ({self._death})"
+        if self._stopping:
+            return "model is shutting down"
+        if not self._thread.is_alive():
+            return "model is unavailable: its engine thread is not running"
+        return None
 
     def stop(self, drain_timeout_s: float) -> None:
         """Lets in-flight requests finish for up to drain_timeout_s, then cancels the rest."""
@@ -82,15 +112,22 @@ class EngineLoop:
             return
         finally:
             self._built.set()
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the loop must not end it silently
+            self._die(exc)
+
+    def _serve(self) -> None:
         while True:
             with self._cond:
                 while not self._inbox and not self._active and not self._stopping:
                     self._cond.wait()  # idle: sleep until a request or stop arrives
-                new = list(self._inbox)
+                self._pending.extend(self._inbox)
                 self._inbox.clear()
                 stopping = self._stopping
-            for request in new:
-                self._admit(request)
+            while self._pending:
+                self._admit(self._pending[0])
+                self._pending.popleft()
             if stopping:
                 if not self._active:
                     return
@@ -107,10 +144,42 @@ class EngineLoop:
             if self._active:
                 self._step(step)
                 self._worker.step_done()
+                self._num_steps += 1
+                if self._num_steps == self._fail_at_step:
+                    raise RuntimeError(f"injected engine-loop failure after step {self._num_steps} "
+                                       "(INJECT_LOOP_FAILURE_AT_STEP)")
+            # Also after aborts without a step, so KV usage drops to 0 on the dashboard.
+            stats = self.engine.get_stats()
+            with self._cond:
+                self._num_queued = len(self._inbox) + stats.num_waiting
+                step.num_rejected, self._num_rejected = self._num_rejected, 0
             if self._collect_metrics:
-                # Also after aborts without a step, so KV usage drops to 0 on the dashboard.
-                step.stats = self.engine.get_stats()
+                step.stats = stats
                 self._worker.record(step)
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop cannot go on: fail everything it holds and everything that comes later
+        with UNAVAILABLE (the engine is left alone: its state is suspect)."""
+        reason = f"{type(exc).__name__}: {exc}"
+        triton_io.log_error(f"engine loop died; failing {len(self._active)} in-flight and all later "
+                            f"requests with UNAVAILABLE: {traceback.format_exc()}")
+        with self._cond:
+            self._death = reason
+            orphans = [r for r in self._pending if r.request_id not in self._active]
+            orphans += self._inbox
+            self._inbox.clear()
+            message = self._closed_reason()
+        self._pending.clear()
+        for request in orphans:
+            self._worker.send_error(request.sender, message, triton_io.UNAVAILABLE)
+        for request_id in list(self._active):
+            request = self._retire(request_id)
+            self._worker.send_error(request.sender, message, triton_io.UNAVAILABLE, request_id)
+        if self._on_death is not None:
+            try:
+                self._on_death(reason)
+            except Exception:  # noqa: BLE001 - the requests are answered; only log this
+                triton_io.log_error("engine loop on_death: " + traceback.format_exc())
 
     def _admit(self, request: Inflight) -> None:
         try:
@@ -172,7 +241,7 @@ class EngineLoop:
             request = self._active.get(out.request_id)
             if request is None:
                 continue  # aborted meanwhile
-            self._account(request, out, step, step_start, now)
+            record_timings(request, out, step, step_start, now)
             try:
                 tensors = request.build(out)
             except Exception as exc:  # noqa: BLE001
@@ -187,21 +256,3 @@ class EngineLoop:
                                   request_id=out.request_id)
             if out.finished:
                 self._retire(out.request_id)
-
-    @staticmethod
-    def _account(request: Inflight, out: RequestOutput, step: StepMetrics, step_start: float,
-                 now: float) -> None:
-        new_tokens = len(out.outputs[0].delta_token_ids)
-        if new_tokens:
-            if request.first_token_at is None:
-                request.first_token_at = now
-                step.ttft.append(now - request.arrival)
-                queued = (out.metrics or {}).get("queue_time")
-                # Without the engine's own figure: arrival until the step that ran the
-                # (last chunk of the) prefill began.
-                step.queue.append(queued if queued is not None else max(0.0, step_start - request.arrival))
-            else:
-                step.itl.append(now - request.last_token_at)
-            request.last_token_at = now
-        if out.finished:
-            step.e2e.append(now - request.arrival)

@@ -8,14 +8,15 @@ from typing import Any
 
 from backend import triton_io
 from backend.config_params import split_parameters
-from backend.engine_loop import EngineLoop, Inflight
+from backend.engine_loop import EngineLoop
+from backend.inflight import Inflight
 from backend.metrics import NullMetrics, TritonMetrics
 from backend.request_parsing import InvalidRequest
 from backend.response_worker import ResponseWorker
 
 
 class EngineModel:
-    """Subclasses implement `make_inflight(request, request_id, arrival)`."""
+    """Subclasses implement `make_inflight(request, request_id, sender, arrival)`."""
 
     def initialize(self, args: dict[str, Any]) -> None:
         config = triton_io.parse_model_config(args)
@@ -33,7 +34,10 @@ class EngineModel:
         self._worker = ResponseWorker(metrics)
         try:
             self._loop = EngineLoop(lambda: LLMEngine(engine_config), self._worker,
-                                    collect_metrics=self.options.report_custom_metrics)
+                                    collect_metrics=self.options.report_custom_metrics,
+                                    max_queue_len=self.options.max_queue_len,
+                                    fail_at_step=self.options.inject_loop_failure_at_step,
+                                    on_death=self._on_engine_death)
         except BaseException:
             self._worker.stop()
             raise
@@ -46,6 +50,11 @@ class EngineModel:
     def execute(self, requests: list[Any]) -> None:
         for request in requests:
             sender = request.get_response_sender()
+            # Before parsing: an overloaded or dead model answers at once, for free.
+            refusal = self._loop.refusal()
+            if refusal is not None:
+                triton_io.send_error(sender, refusal, triton_io.UNAVAILABLE)
+                continue
             # Unique even when clients reuse Triton request ids.
             request_id = f"{request.request_id() or 'req'}#{next(self._ids)}"
             try:
@@ -61,6 +70,25 @@ class EngineModel:
 
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
         raise NotImplementedError
+
+    def _on_engine_death(self, reason: str) -> None:
+        """Runs on the dying engine thread, after its requests were answered."""
+        if not self.options.enable_health_check:
+            triton_io.log_error(f"{self.model_name}: engine stopped ({reason}); the model stays loaded "
+                                "and answers UNAVAILABLE. With ENABLE_VLLM_HEALTH_CHECK=true (and "
+                                "--model-control-mode=explicit) it unloads itself instead.")
+            return
+        # As vllm_backend's health check: unload, so /v2/models/<name>/ready says no. From
+        # the sender thread, which owns the calls into Triton.
+        self._worker.call(self._unload_self)
+
+    def _unload_self(self) -> None:
+        triton_io.log_error(f"{self.model_name}: engine unhealthy; unloading the model")
+        try:
+            triton_io.unload_model(self.model_name)
+        except Exception as exc:  # noqa: BLE001 - e.g. not in explicit model control mode
+            triton_io.log_error(f"{self.model_name}: engine unhealthy, but unloading failed: {exc} "
+                                "(ENABLE_VLLM_HEALTH_CHECK needs --model-control-mode=explicit)")
 
     def finalize(self) -> None:
         self._loop.stop(self.options.drain_timeout_s)

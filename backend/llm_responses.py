@@ -38,7 +38,7 @@ class LLMResponseBuilder:
         else:
             if not finished:
                 return None
-            text = completion.text if self.request.exclude_input_in_output else (out.prompt or "") + completion.text
+            text = completion.text if self.request.exclude_input_in_output else self.request.prompt + completion.text
             num_tokens = len(completion.token_ids)
         tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
         returns = self.request.returns

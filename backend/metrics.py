@@ -33,6 +33,9 @@ _STAT_COUNTERS = {
     "vllm:generation_tokens_total": ("Number of generation tokens processed.",
                                      "generation_tokens_total"),
 }
+# Not a vLLM metric (vLLM queues without bound), hence the project's own prefix.
+REJECTED_COUNTER = ("tle:num_requests_rejected_total",
+                    "Requests refused with UNAVAILABLE because MAX_QUEUE_LEN requests were queued.")
 _HISTOGRAMS = {
     "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
                                          "ttft", TTFT_BUCKETS),
@@ -53,9 +56,10 @@ class StepMetrics:
     itl: list[float] = field(default_factory=list)
     e2e: list[float] = field(default_factory=list)
     queue: list[float] = field(default_factory=list)
+    num_rejected: int = 0  # refused as "server busy" since the previous record
 
     def empty(self) -> bool:
-        return not (self.stats or self.ttft or self.itl or self.e2e or self.queue)
+        return not (self.stats or self.ttft or self.itl or self.e2e or self.queue or self.num_rejected)
 
 
 class NullMetrics:
@@ -85,6 +89,7 @@ class TritonMetrics:
                                for name, (desc, attr) in _STAT_COUNTERS.items()}
         self._histograms = {attr: metric(name, desc, kinds.HISTOGRAM, buckets=buckets)
                             for name, (desc, attr, buckets) in _HISTOGRAMS.items()}
+        self._rejected = metric(*REJECTED_COUNTER, kinds.COUNTER)
         self._last_gauge: dict[str, float] = {}
         self._last_counter: dict[str, float] = {attr: 0 for attr in self._stat_counters}
 
@@ -103,3 +108,5 @@ class TritonMetrics:
         for attr, metric in self._histograms.items():
             for value in getattr(step, attr):
                 metric.observe(value)
+        if step.num_rejected:
+            self._rejected.increment(step.num_rejected)

@@ -81,7 +81,11 @@ def _to_int(name: str, value: Any) -> int:
 
 def _to_float(name: str, value: Any) -> float:
     if not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:
+            raise InvalidRequest(f"{name} must be a finite number, got an integer too large "
+                                 f"for a float") from None
     if isinstance(value, str):
         try:
             return float(value.strip())
@@ -167,6 +171,8 @@ def load_json_object(name: str, text: str | bytes) -> dict[str, Any]:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"{name} is not valid JSON: {exc.msg} at position {exc.pos}") from None
+    except ValueError as exc:  # e.g. an integer literal past Python's 4300-digit limit
+        raise InvalidRequest(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{name} must be a JSON object, got {type(value).__name__}")
     return value

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from backend import triton_io
-from backend.engine_loop import Inflight
 from backend.engine_model import EngineModel
+from backend.inflight import Inflight
 from backend.token_request_parsing import parse_token_request
 from backend.token_responses import TokenResponseBuilder, decode_ids
 

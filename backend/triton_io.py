@@ -74,3 +74,9 @@ def log_error(message: str) -> None:
 def string_array(values: list[str], shape: tuple[int, ...] | None = None) -> np.ndarray:
     array = np.array([v.encode("utf-8") for v in values], dtype=np.object_)
     return array if shape is None else array.reshape(shape)
+
+
+def unload_model(model_name: str) -> None:
+    """Asks the server to unload a model, this one included; returns before it is done.
+    Raises unless the server runs with --model-control-mode=explicit."""
+    pb_utils.unload_model(model_name)

@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import urllib.error
@@ -167,7 +168,10 @@ class TritonServer:
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         libs = str(wheel_libs_dir())
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libs, env.get("LD_LIBRARY_PATH")) if p)
+        # LIBDIR: where this interpreter's libpython3.X.so.1.0, which the python backend
+        # stub links, lies when it is not in the system's (pyenv, python.org, uv builds).
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(
+            p for p in (libs, env.get("LD_LIBRARY_PATH"), sysconfig.get_config_var("LIBDIR")) if p)
         # The stub runs `python` semantics from PATH: the venv first makes model.py
         # import the venv's torch/transformers, and the repo on PYTHONPATH makes
         # `import backend` resolve to this checkout.

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.request import SamplingParams
+from engine.stop_strings import StopMatcher
 
 # Prompt tokens decoded ahead of the output so its first token gets its in-context spacing
 # (sentencepiece decoders drop a leading space at the start of a decode). vLLM uses 5 too.
@@ -53,9 +54,9 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
-        self._stops = list(params.stop)
+        # Built once per request; each character of output_text is then fed to it once.
+        self._stop_matcher = StopMatcher(params.stop) if params.stop else None
         self._include_stop = params.include_stop_str_in_output
-        self._max_stop_len = max((len(s) for s in self._stops), default=0)
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
         if context and self._decode(context).endswith(_REPLACEMENT_CHAR):
             context = []  # the prompt ends mid-character: its bytes would shift the output's
@@ -81,8 +82,8 @@ class IncrementalDetokenizer:
         if finished and self.stop_str is None:
             self._append(self._decode_new(final=True), final=True)
         end = len(self.output_text)
-        if not finished and self.stop_str is None:
-            end -= self._partial_stop_len()
+        if not finished and self.stop_str is None and self._stop_matcher is not None:
+            end -= self._stop_matcher.partial_len
         if end <= self._sent:
             return ""
         delta = self.output_text[self._sent:end]
@@ -118,29 +119,13 @@ class IncrementalDetokenizer:
         return self._find_stop(start)
 
     def _find_stop(self, new_start: int) -> str | None:
-        if not self._stops:
+        if self._stop_matcher is None:
             return None
-        # A stop can only end inside the new text, so it starts at most max_len - 1 before it.
-        search_from = max(0, new_start - self._max_stop_len + 1)
-        best: tuple[int, str] | None = None
-        for stop in self._stops:
-            at = self.output_text.find(stop, search_from)
-            if at != -1 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
+        match = self._stop_matcher.feed(self.output_text, new_start)
+        if match is None:
             return None
-        at, stop = best
-        self.output_text = self.output_text[:at + len(stop) if self._include_stop else at]
+        start, end = match
+        stop = self.output_text[start:end]
+        self.output_text = self.output_text[:end if self._include_stop else start]
         self.stop_str = stop
         return stop
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest tail of output_text that is a proper prefix of a stop string."""
-        text = self.output_text
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest

@@ -16,7 +16,8 @@ from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
                             SamplingParams)
-from engine.scheduler import Scheduler
+from engine.sampler import SamplingError
+from engine.scheduler import Scheduler, SchedulerOutput
 from kernels import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class LLMEngine:
         warm_start = time.perf_counter()
         self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
         warm_up_s = time.perf_counter() - warm_start
-        self.eos_token_id = loaded.eos_token_id
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -120,21 +121,22 @@ class LLMEngine:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("prompt is empty")
-        vocab = self.loaded.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
+        # Length first: a huge id list is refused before it is scanned (on the engine thread).
         max_model_len = self.config.scheduler.max_model_len
         if len(token_ids) >= max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens, which does not leave room "
                              f"for output within max_model_len={max_model_len}")
+        vocab = self.loaded.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(f"SamplingParams.logprobs must be <= max_logprobs "
                              f"({self.config.max_logprobs}), got {params.logprobs}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be < vocab size {vocab}")
         request = Request(request_id, token_ids, params, priority=priority,
-                          arrival_time=arrival_time, eos_token_id=self.eos_token_id,
+                          arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
                           cache_salt=cache_salt)
         if params.max_tokens is None:
             request.max_tokens = max_model_len - len(token_ids)
@@ -161,8 +163,10 @@ class LLMEngine:
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step and return an output for every request that got new
-        tokens or finished. Raises EngineStepError if the model failed; the requests of
-        that step are then aborted and the engine is ready for the next step."""
+        tokens or finished. Raises EngineStepError naming the requests it aborted: those
+        whose sampling failed on their own (the rest of the batch resamples next step),
+        or, when the model failed, every request of the step. The engine is then ready
+        for the next step."""
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled_requests:
             return []
@@ -171,15 +175,7 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched_out)
         except Exception as exc:
-            failed = [r.request_id for r in sched_out.scheduled_requests]
-            logger.exception("engine step failed; aborting %d requests", len(failed))
-            self.scheduler.finish_requests(failed, RequestStatus.FINISHED_ABORTED)
-            for rid in failed:
-                self._tracked.pop(rid, None)
-                self.runner.free(rid)
-            # Blocks registered at allocation may never have been written.
-            self.scheduler.kv_cache_manager.reset_prefix_cache()
-            raise EngineStepError(f"model execution failed: {exc}", failed) from exc
+            raise self._fail_step(sched_out, exc) from exc
         sampled = result.sampled_token_ids
         num_before = {rid: self._tracked[rid].request.num_tokens for rid in sampled}
         finished = self.scheduler.update_from_output(sched_out, sampled)
@@ -207,6 +203,32 @@ class LLMEngine:
             else:
                 outputs.append(self._output(tracked, finished=False))
         return outputs
+
+    def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> EngineStepError:
+        """Abort whom the failure is attributable to and return the error to raise."""
+        scheduled = sched_out.scheduled_requests
+        culprits = set(exc.failed_request_ids) if isinstance(exc, SamplingError) else set()
+        failed = [r.request_id for r in scheduled if r.request_id in culprits]
+        if failed:
+            # The forward ran to the end, so every K/V of the step is written; only these
+            # rows' sampling is broken. The others resample next step.
+            logger.error("sampling failed for %s; aborting them, %d other request(s) of the "
+                         "step carry on", failed, len(scheduled) - len(failed), exc_info=exc)
+            self._abort_failed(failed)
+            self.scheduler.retry_sampling(scheduled)
+            return EngineStepError(f"sampling failed for request(s) {failed}: {exc}", failed)
+        failed = [r.request_id for r in scheduled]
+        logger.exception("engine step failed; aborting %d requests", len(failed))
+        self._abort_failed(failed)
+        # Blocks registered at allocation may never have been written.
+        self.scheduler.kv_cache_manager.reset_prefix_cache()
+        return EngineStepError(f"model execution failed: {exc}", failed)
+
+    def _abort_failed(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        for rid in request_ids:
+            self._tracked.pop(rid, None)
+            self.runner.free(rid)
 
     def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
         request = tracked.request

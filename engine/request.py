@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+from engine.stop_strings import check_stop_limits
 
 
 class RequestStatus(enum.IntEnum):
@@ -20,6 +23,10 @@ class RequestStatus(enum.IntEnum):
     def is_finished(self) -> bool:
         return self >= RequestStatus.FINISHED_STOPPED
 
+
+# torch.Generator.manual_seed's range (negative seeds wrap around); larger ints overflow it.
+SEED_MIN = -(2 ** 63)
+SEED_MAX = 2 ** 64 - 1
 
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -48,36 +55,49 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
+        _check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
+               "must be a string or a list of strings", self.stop)
+        _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+               "stop_token_ids", "must be a list of integers", self.stop_token_ids)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        # -1 means "off" in vLLM for both.
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:
+            self.seed = None
+        # Floats must be finite: the sampler works in float32, where inf and nan turn
+        # whole rows into nan (temperature=inf with a min_tokens mask gave -inf/inf).
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1", self.max_tokens)
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature",
-               "must be >= 0", self.temperature)
+        _check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
+               "must be a finite number >= 0", self.temperature)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1, 0 or a positive integer",
                self.top_k)
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]", self.top_p)
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]", self.min_p)
-        _check(self.seed is None or _is_int(self.seed), "seed", "must be an integer", self.seed)
+        _check(_is_finite(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]",
+               self.top_p)
+        _check(_is_finite(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]",
+               self.min_p)
+        _check(self.seed is None or (_is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+               "seed", f"must be an integer in [{SEED_MIN}, {SEED_MAX}] (-1: none)", self.seed)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "must be non-empty strings", self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers", self.stop_token_ids)
+        check_stop_limits(self.stop, self.stop_token_ids)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0",
                self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                "must be a non-negative integer", self.logprobs)
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
-               "repetition_penalty", "must be > 0", self.repetition_penalty)
-        _check(_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+        _check(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", "must be a finite number > 0", self.repetition_penalty)
+        _check(_is_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
                "presence_penalty", "must be in [-2, 2]", self.presence_penalty)
-        _check(_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+        _check(_is_finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
                "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean", getattr(self, name))
@@ -96,26 +116,40 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+def _is_finite(v: Any) -> bool:
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return False
+    try:
+        return math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _check(ok: bool, name: str, rule: str, value: Any) -> None:
     if not ok:
-        raise ValueError(f"SamplingParams.{name} {rule}, got {value!r}")
+        raise ValueError(f"SamplingParams.{name} {rule}, got {_short_repr(value)}")
+
+
+def _short_repr(value: Any, limit: int = 100) -> str:
+    try:
+        text = repr(value)
+    except ValueError:  # ints past sys.get_int_max_str_digits() refuse repr
+        return f"<{type(value).__name__} too large to print>"
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 class Request:
     """One sequence's state; the scheduler is the only writer of its progress."""
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time",
-                 "eos_token_id", "cache_salt", "all_token_ids", "num_prompt_tokens",
+                 "eos_token_ids", "cache_salt", "all_token_ids", "num_prompt_tokens",
                  "num_computed_tokens", "num_cached_tokens", "status", "num_preemptions",
                  "stop_reason", "block_hashes", "max_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
-                 arrival_time: float | None = None, eos_token_id: int | None = None,
+                 arrival_time: float | None = None,
+                 eos_token_id: int | Iterable[int] | None = None,
                  cache_salt: str | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt must contain at least one token")
@@ -124,7 +158,10 @@ class Request:
         self.sampling_params = sampling_params or SamplingParams()
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        self.eos_token_id = eos_token_id
+        # Every id the model ends a turn with (generation_config may list several).
+        self.eos_token_ids: tuple[int, ...] = (
+            () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int)
+            else tuple(eos_token_id))
         self.cache_salt = cache_salt
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

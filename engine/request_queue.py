@@ -1,32 +1,41 @@
-"""The WAITING queue: a deque under fcfs, a heap under priority."""
+"""The WAITING queue: insertion order under fcfs, a heap under priority.
+
+Both remove a request in O(1) (amortized): a client that cancels while thousands of
+requests wait must not cost a scan of the queue on the engine thread."""
 from __future__ import annotations
 
 import heapq
-from collections import deque
+import itertools
+from collections import OrderedDict
 from typing import Iterator
 
 from engine.request import Request
 
 
 class FCFSQueue:
+    # An OrderedDict is a linked list with a hash index: append at either end, pop the
+    # head and delete any member are all O(1), where a deque's remove() scans.
     def __init__(self) -> None:
-        self._items: deque[Request] = deque()
+        self._items: OrderedDict[Request, None] = OrderedDict()
 
     def add(self, request: Request) -> None:
-        self._items.append(request)
+        self._items[request] = None
 
     def prepend(self, request: Request) -> None:
         # Preempted requests resume before anything that arrived after them.
-        self._items.appendleft(request)
+        self._items[request] = None
+        self._items.move_to_end(request, last=False)
 
     def peek(self) -> Request:
-        return self._items[0]
+        for request in self._items:
+            return request
+        raise IndexError("peek from an empty queue")
 
     def pop(self) -> Request:
-        return self._items.popleft()
+        return self._items.popitem(last=False)[0]
 
     def remove(self, request: Request) -> None:
-        self._items.remove(request)
+        del self._items[request]
 
     def __len__(self) -> int:
         return len(self._items)
@@ -40,34 +49,57 @@ class FCFSQueue:
 
 class PriorityQueue:
     """Lowest (priority, arrival_time) first; a preempted request re-enters by the same
-    key, so it lands ahead of later arrivals of its priority."""
+    key, so it lands ahead of later arrivals of its priority.
+
+    remove() only forgets the request's heap entry (lazy deletion); dead entries are
+    skipped when they reach the top and swept out once they outnumber the live ones, so
+    removal costs O(1) amortized instead of a scan plus a re-heapify."""
 
     def __init__(self) -> None:
-        self._heap: list[Request] = []
+        # (request, ticket); a request is in the queue while _live maps it to that
+        # entry's ticket, so a removed-then-re-added request never revives its old entry.
+        self._heap: list[tuple[Request, int]] = []
+        self._live: dict[Request, int] = {}
+        self._tickets = itertools.count()
 
     def add(self, request: Request) -> None:
-        heapq.heappush(self._heap, request)
+        ticket = next(self._tickets)
+        self._live[request] = ticket
+        heapq.heappush(self._heap, (request, ticket))
 
     prepend = add
 
     def peek(self) -> Request:
-        return self._heap[0]
+        self._drop_dead_top()
+        return self._heap[0][0]
 
     def pop(self) -> Request:
-        return heapq.heappop(self._heap)
+        self._drop_dead_top()
+        request, _ = heapq.heappop(self._heap)
+        del self._live[request]
+        return request
 
     def remove(self, request: Request) -> None:
-        self._heap.remove(request)
-        heapq.heapify(self._heap)
+        del self._live[request]  # KeyError when absent, as list.remove raises ValueError
+        if len(self._heap) > 2 * len(self._live) + 16:
+            self._heap = [(r, t) for r, t in self._heap if self._live.get(r) == t]
+            heapq.heapify(self._heap)
+
+    def _drop_dead_top(self) -> None:
+        heap = self._heap
+        while heap and self._live.get(heap[0][0]) != heap[0][1]:
+            heapq.heappop(heap)
+        if not heap:
+            raise IndexError("peek/pop from an empty queue")
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._live)
 
     def __bool__(self) -> bool:
-        return bool(self._heap)
+        return bool(self._live)
 
     def __iter__(self) -> Iterator[Request]:
-        return iter(sorted(self._heap))
+        return iter(sorted(self._live))
 
 
 def make_request_queue(policy: str) -> FCFSQueue | PriorityQueue:

@@ -22,8 +22,21 @@ class SamplerOutput:
     topk_logprobs: torch.Tensor | None  # [N, k] float32
 
 
+class SamplingError(RuntimeError):
+    """Sampling raised for a batch. `failed_request_ids`: the rows that fail on their own
+    too, so only they need to fail; empty when no single row does (the batch is at fault)."""
+
+    def __init__(self, message: str, failed_request_ids: list[str]) -> None:
+        super().__init__(message)
+        self.failed_request_ids = failed_request_ids
+
+
 class Sampler:
-    """Samples one token per row; keeps each seeded request's generator across steps."""
+    """Samples one token per row; keeps each seeded request's generator across steps.
+
+    Rows are independent, so one request's parameters must never fail the batch. Inputs
+    are made safe when the metadata is built; should something still raise, each row is
+    re-run alone to name the culprits (only on that failure path: the batch pays nothing)."""
 
     def __init__(self, seed: int | None = None) -> None:
         self.state = SamplerState()
@@ -33,12 +46,24 @@ class Sampler:
 
     def prepare(self, requests: list[Request], vocab_size: int,
                 device: torch.device | str) -> SamplingMetadata:
-        return SamplingMetadata.build(requests, vocab_size, device, self.state)
+        try:
+            return SamplingMetadata.build(requests, vocab_size, device, self.state)
+        except Exception as exc:
+            failed = _rows_failing_alone(requests, vocab_size, device, None)
+            raise SamplingError(f"{type(exc).__name__}: {exc}", failed) from exc
 
     def free(self, request_id: str) -> None:
         self.state.free(request_id)
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        try:
+            return self._sample_batch(logits, metadata)
+        except Exception as exc:
+            failed = _rows_failing_alone(metadata.requests, metadata.vocab_size, logits.device,
+                                         logits)
+            raise SamplingError(f"{type(exc).__name__}: {exc}", failed) from exc
+
+    def _sample_batch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.argmax_only:
             # A fused bf16 argmax skips upcasting [N, vocab] logits (~3x faster on CPU).
             sampled = cpu_native.argmax_rows(logits)
@@ -71,9 +96,8 @@ class Sampler:
         # generator and its result does not depend on the rest of the batch.
         device = logits.device
         uniform = torch.rand(md.num_rows, 1, generator=self._shared_generator(device), device=device)
-        for row, request_id, seed in md.seeded_rows:
-            uniform[row] = torch.rand(1, generator=self.state.generator(request_id, seed, device),
-                                      device=device)
+        for row, generator in md.seeded_rows:
+            uniform[row] = torch.rand(1, generator=generator, device=device)
         sampled = sample_from_logits(logits, uniform)
         if greedy_ids is not None:
             sampled = torch.where(md.greedy_rows, greedy_ids, sampled)
@@ -89,6 +113,23 @@ class Sampler:
                 gen.manual_seed(self._seed)
             self._shared[device] = gen
         return gen
+
+
+def _rows_failing_alone(requests: list[Request], vocab_size: int, device: torch.device | str,
+                        logits: torch.Tensor | None) -> list[str]:
+    """Ids of the requests whose row fails on its own (built, and sampled from its own
+    logits when given). Fresh state throughout: a probe must not advance the generator
+    a seeded request keeps in the real sampler."""
+    probe = Sampler(seed=0)
+    failed = []
+    for row, request in enumerate(requests):
+        try:
+            metadata = SamplingMetadata.build([request], vocab_size, device)
+            if logits is not None:
+                probe._sample_batch(logits[row:row + 1], metadata)
+        except Exception:  # noqa: BLE001 - any failure of this row alone names it
+            failed.append(request.request_id)
+    return failed
 
 
 def apply_penalties(logits: torch.Tensor, pen: PenaltyTensors) -> torch.Tensor:
@@ -161,7 +202,9 @@ def _nucleus_cutoff(desc_logits: torch.Tensor, log_norm: torch.Tensor,
     probs = (desc_logits - log_norm).exp()
     mass_above = probs.cumsum(dim=-1) - probs
     p = top_p.unsqueeze(1)
-    num_kept = (mass_above < p).sum(dim=-1, keepdim=True)  # >= 1: the top token has 0 above it
+    # The top token has 0 mass above it, so this is >= 1 for any p > 0 on a row without
+    # nan; the clamp covers the rest (p = 0 once gathered index -1 for the whole batch).
+    num_kept = (mass_above < p).sum(dim=-1, keepdim=True).clamp_(min=1)
     cutoff = desc_logits.gather(1, num_kept - 1)
     cutoff.masked_fill_(p >= 1.0, _NEG_INF)
     decided = (probs.sum(dim=-1) >= top_p) | (top_p >= 1.0)

@@ -10,6 +10,11 @@ from engine.request import Request
 
 # Below this a temperature is treated as greedy: dividing by it would overflow the logits.
 GREEDY_TEMPERATURE_EPS = 1e-5
+# Validation admits any finite float, but these tensors are float32, where 1e-46 is 0 and
+# 1e300 is inf: a top_p of 0 made the nucleus gather index -1 for the whole batch, and an
+# inf temperature turned a min_tokens mask's -inf into nan. Parameters are clamped into
+# float32's normal range, so none is 0 or inf.
+_F32 = torch.finfo(torch.float32)
 
 
 class _GrowingTokenIds:
@@ -86,7 +91,8 @@ class PenaltyTensors:
 @dataclass(slots=True)
 class SamplingMetadata:
     num_rows: int
-    request_ids: list[str]
+    vocab_size: int
+    requests: list[Request]  # row order; lets the sampler re-run one row to find a culprit
     # Fast path: every row greedy with nothing that changes the logits and no logprobs.
     argmax_only: bool
     all_greedy: bool
@@ -95,7 +101,9 @@ class SamplingMetadata:
     top_k: torch.Tensor | None  # [N] int64, vocab_size = off; None when no row uses it
     top_p: torch.Tensor | None  # [N] float32, 1.0 = off
     min_p: torch.Tensor | None  # [N] float32, 0.0 = off
-    seeded_rows: list[tuple[int, str, int]]  # (row, request_id, seed) of random rows with a seed
+    # (row, generator) of random rows with a seed. Made here, not while sampling, so a
+    # seed torch refuses fails before any row's generator has advanced.
+    seeded_rows: list[tuple[int, torch.Generator]]
     penalties: PenaltyTensors | None
     # (row, token) pairs to mask with -inf: EOS/stop ids of rows still below min_tokens.
     min_tokens_rows: torch.Tensor | None  # [M] int64
@@ -108,13 +116,12 @@ class SamplingMetadata:
         """Rows in the order of `requests`. Pass the sampler's `state` to reuse cached token tensors."""
         state = state if state is not None else SamplerState()
         n = len(requests)
-        request_ids = [r.request_id for r in requests]
         temps: list[float] = []
         top_ks: list[int] = []
         top_ps: list[float] = []
         min_ps: list[float] = []
         greedy_flags: list[bool] = []
-        seeded: list[tuple[int, str, int]] = []
+        seeded: list[tuple[int, torch.Generator]] = []
         penalty_rows: list[int] = []
         mask_rows: list[int] = []
         mask_ids: list[int] = []
@@ -137,15 +144,15 @@ class SamplingMetadata:
                 use_top_p |= p.top_p < 1.0
                 use_min_p |= p.min_p > 0.0
                 if p.seed is not None:
-                    seeded.append((row, req.request_id, p.seed))
+                    seeded.append((row, state.generator(req.request_id, p.seed, device)))
             if p.has_penalties:
                 penalty_rows.append(row)
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs or 0, p.logprobs)
             if p.min_tokens and req.num_output_tokens < p.min_tokens:
                 stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos and req.eos_token_id is not None:
-                    stop_ids.add(req.eos_token_id)
+                if not p.ignore_eos:
+                    stop_ids.update(req.eos_token_ids)
                 for tok in stop_ids:
                     if 0 <= tok < vocab_size:
                         mask_rows.append(row)
@@ -154,22 +161,25 @@ class SamplingMetadata:
         all_greedy = not any_random
         argmax_only = all_greedy and not penalty_rows and not mask_rows and max_logprobs is None
         if argmax_only:
-            return cls(n, request_ids, True, True, None, None, None, None, None, [], None, None, None,
-                       None)
+            return cls(n, vocab_size, list(requests), True, True, None, None, None, None, None, [],
+                       None, None, None, None)
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
 
         return cls(
             num_rows=n,
-            request_ids=request_ids,
+            vocab_size=vocab_size,
+            requests=list(requests),
             argmax_only=False,
             all_greedy=all_greedy,
-            temperature=None if all_greedy else f32(temps),
+            # A huge temperature saturates: a near-uniform row.
+            temperature=None if all_greedy else f32(temps).clamp_(max=_F32.max),
             greedy_rows=(torch.tensor(greedy_flags, dtype=torch.bool, device=device)
                          if any_greedy and any_random else None),
             top_k=torch.tensor(top_ks, dtype=torch.long, device=device) if use_top_k else None,
-            top_p=f32(top_ps) if use_top_p else None,
+            # A top_p below float32's resolution keeps the top token (and its ties) only.
+            top_p=f32(top_ps).clamp_(min=_F32.tiny) if use_top_p else None,
             min_p=f32(min_ps) if use_min_p else None,
             seeded_rows=seeded,
             penalties=(_build_penalties(requests, penalty_rows, vocab_size, device, state)
@@ -206,7 +216,9 @@ def _build_penalties(requests: list[Request], rows: list[int], vocab_size: int,
     return PenaltyTensors(
         prompt_token_ids=prompt_ids.to(device),
         output_token_ids=output_ids.to(device),
-        repetition_penalty=torch.tensor(rep, dtype=torch.float32, device=device),
+        # Never 0 or inf: 0 / 0 and 0 * inf are nan.
+        repetition_penalty=torch.tensor(rep, dtype=torch.float32, device=device).clamp_(
+            _F32.tiny, _F32.max),
         presence_penalty=torch.tensor(pres, dtype=torch.float32, device=device),
         frequency_penalty=torch.tensor(freq, dtype=torch.float32, device=device),
         any_repetition=any(r != 1.0 for r in rep),

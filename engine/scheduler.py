@@ -219,7 +219,7 @@ class Scheduler:
                 status = None
                 num_output = request.num_tokens - request.num_prompt_tokens
                 if num_output >= params.min_tokens:
-                    if token_id == request.eos_token_id and not params.ignore_eos:
+                    if token_id in request.eos_token_ids and not params.ignore_eos:
                         status = RequestStatus.FINISHED_STOPPED
                     elif token_id in params.stop_token_ids:
                         status = RequestStatus.FINISHED_STOPPED
@@ -235,6 +235,16 @@ class Scheduler:
                 self._free(request)
                 finished.append(request)
         return finished
+
+    def retry_sampling(self, requests: list[Request]) -> None:
+        """A step computed these requests' tokens but sampled none: step back one token
+        for those due a sample, so the next schedule() recomputes the last token (its K/V
+        is rewritten with the same values) and samples it. Requests mid-prefill were due
+        no sample and keep their progress."""
+        for request in requests:
+            if (request.status == RequestStatus.RUNNING
+                    and request.num_computed_tokens >= request.num_tokens):
+                request.num_computed_tokens = request.num_tokens - 1
 
     def finish_with_reason(self, request: Request, status: RequestStatus,
                            stop_reason: int | str | None = None) -> None:

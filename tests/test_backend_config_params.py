@@ -24,3 +24,21 @@ def test_engine_and_backend_parameters_are_split():
 def test_bad_parameter_is_named(params, fragment):
     with pytest.raises(ValueError, match=fragment):
         split_parameters(params)
+
+
+def test_admission_and_health_options():
+    _, options = split_parameters({"MAX_QUEUE_LEN": "8", "ENABLE_VLLM_HEALTH_CHECK": "true",
+                                   "INJECT_LOOP_FAILURE_AT_STEP": "3"})
+    assert options.max_queue_len == 8 and options.enable_health_check
+    assert options.inject_loop_failure_at_step == 3
+    _, defaults = split_parameters({})
+    assert defaults.max_queue_len == 1024 and not defaults.enable_health_check
+    assert defaults.inject_loop_failure_at_step == 0
+
+
+@pytest.mark.parametrize("key,value", [("MAX_QUEUE_LEN", "-1"), ("MAX_QUEUE_LEN", "many"),
+                                       ("ENABLE_VLLM_HEALTH_CHECK", "sometimes"),
+                                       ("DRAIN_TIMEOUT_S", "nan")])
+def test_bad_backend_option_is_named(key, value):
+    with pytest.raises(ValueError, match=key):
+        split_parameters({key: value})

@@ -103,16 +103,91 @@ def test_stop_rules_through_the_engine(tiny):
     assert len(out.outputs[0].token_ids) == 64 - 60 and out.outputs[0].finish_reason == "length"
 
 
-def test_min_tokens_holds_back_eos(tiny):
+def first_new_token(ids, start, avoid=()):
+    """Index of the first token at or after `start` that appears neither earlier in `ids`
+    nor in `avoid`, or None."""
+    return next((k for k in range(start, len(ids))
+                 if ids[k] not in ids[:k] and ids[k] not in avoid), None)
+
+
+def test_min_tokens_holds_back_stop_token_ids(tiny):
     llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
-    base = generate_ids(llm, [PROMPTS[2]])[0]
-    eos = llm.llm_engine.eos_token_id
-    # Make the 3rd greedy token a stop id: with min_tokens=6 it must not stop there.
-    params = SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[base[2]], min_tokens=6,
-                            ignore_eos=True)
-    out = llm.generate([PROMPTS[2]], params, use_tqdm=False)[0].outputs[0]
-    assert len(out.token_ids) >= 6 and base[2] not in out.token_ids[:5]
-    assert eos is not None
+    base = generate_ids(llm, [PROMPTS[0]])[0]
+    k = first_new_token(base, 1)
+    stop = base[k]
+    # The greedy output reaches a stop id at k: with min_tokens=k+3 it must not stop there.
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop],
+                            min_tokens=k + 3, ignore_eos=True)
+    out = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:k] == base[:k] and out.token_ids[k] != stop
+    assert len(out.token_ids) >= k + 3 and stop not in out.token_ids[:k + 3]
+
+
+@pytest.fixture(scope="module")
+def two_eos(tiny, tmp_path_factory):
+    """A copy of `tiny` whose generation_config lists two EOS ids, [A, B], taken from the
+    greedy outputs of two prompts: the first reaches A (and not B) at index k1 >= 1, the
+    second B (and not A) at k2 >= 1. Returns (model dir, prompt ids, outputs, [k1, k2])."""
+    import itertools
+    import json
+    import shutil
+
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
+    tok = llm.get_tokenizer()
+    prompts = [tok.encode(p) for p in PROMPTS]
+    base = generate_ids(llm, prompts)
+    choice = None
+    # Random weights repeat tokens a lot (qwen2 here: one token 5-20 times in a row).
+    for i, j in itertools.permutations(range(len(prompts)), 2):
+        b1, b2 = base[i], base[j]
+        k1 = first_new_token(b1, 1)
+        k2 = first_new_token(b2, 1, avoid=b1[:k1 + 1]) if k1 is not None else None
+        if k2 is not None and b1[k1] not in b2[:k2 + 1]:
+            choice = (i, j, k1, k2)
+            break
+    assert choice, "random weights gave no usable pair of EOS candidates"
+    i, j, k1, k2 = choice
+    path = tmp_path_factory.mktemp("two-eos") / "model"
+    shutil.copytree(tiny, path)
+    gen_path = path / "generation_config.json"
+    gen = json.loads(gen_path.read_text())
+    gen["eos_token_id"] = [base[i][k1], base[j][k2]]
+    gen_path.write_text(json.dumps(gen))
+    return str(path), [prompts[i], prompts[j]], [base[i], base[j]], [k1, k2]
+
+
+def hf_generate(model_dir, prompt_ids, **kwargs):
+    """HF greedy generate with the folder's own generation_config (its EOS list)."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        gen = model.generate(torch.tensor([prompt_ids]), do_sample=False, pad_token_id=0, **kwargs)
+    return gen[0, len(prompt_ids):].tolist()
+
+
+def test_generation_stops_on_every_eos_id_like_hf(two_eos):
+    path, prompts, base, stops = two_eos
+    llm = LLM(path, dtype="float32", num_kv_blocks=256)
+    assert llm.llm_engine.eos_token_ids == (base[0][stops[0]], base[1][stops[1]])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)
+    for out, ids, b, k in zip(outs, prompts, base, stops):
+        # The first EOS id ends prompt 1, the second one prompt 2, EOS token included.
+        assert out.outputs[0].token_ids == b[:k + 1] == hf_generate(path, ids, max_new_tokens=24)
+        assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason is None
+
+
+def test_min_tokens_holds_back_every_eos_id_like_hf(two_eos):
+    path, prompts, base, stops = two_eos
+    llm = LLM(path, dtype="float32", num_kv_blocks=256)
+    eos_ids = set(llm.llm_engine.eos_token_ids)
+    for ids, b, k in zip(prompts, base, stops):
+        min_tokens = k + 3
+        out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=24, min_tokens=min_tokens),
+                           use_tqdm=False)[0].outputs[0]
+        # Up to k the output is the unmasked one; at k the EOS it wanted is held back.
+        assert out.token_ids[:k] == b[:k] and out.token_ids[k] != b[k]
+        assert len(out.token_ids) >= min_tokens and not eos_ids & set(out.token_ids[:min_tokens])
+        assert out.token_ids == hf_generate(path, ids, max_new_tokens=24, min_new_tokens=min_tokens)
 
 
 def test_bad_inputs_raise_clear_errors(tiny):

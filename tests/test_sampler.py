@@ -241,3 +241,79 @@ def test_logprobs_absent_unless_asked_and_topk_absent_for_zero():
     zero = sample(Sampler(), logits, [make_request(0, SamplingParams(logprobs=0)),
                                       make_request(1, SamplingParams())])
     assert zero.sampled_logprobs is not None and zero.topk_token_ids is None
+
+
+def test_min_tokens_masks_every_eos_id():
+    # generation_config may list several EOS ids; none may end the output early.
+    logits = torch.zeros(1, 10)
+    logits[0, 7], logits[0, 4], logits[0, 5] = 10.0, 9.0, 8.0
+    req = make_request("e", SamplingParams(temperature=0.0, min_tokens=1), eos=[7, 4])
+    assert sample(Sampler(), logits, [req]).sampled_token_ids.item() == 5
+    req.append_output_token(5)
+    assert sample(Sampler(), logits, [req]).sampled_token_ids.item() == 7
+
+
+def test_top_p_below_float32_resolution_keeps_only_the_top_token():
+    # 1e-46 is 0.0 in float32; the nucleus once gathered index -1 and failed the batch.
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(14))
+    reqs = [make_request(i, SamplingParams(temperature=1.0, top_p=p))
+            for i, p in enumerate([1e-46, 5e-324, 1e-38, 1e-7] * 2)]
+    out = sample(Sampler(seed=15), logits, reqs)
+    assert torch.equal(out.sampled_token_ids, logits.argmax(dim=-1))
+
+
+EXTREME_BUT_VALID = [
+    SamplingParams(temperature=1e300, min_tokens=4, top_p=0.9),  # inf in float32
+    SamplingParams(temperature=1e-5, top_k=1_000_000_000),
+    SamplingParams(temperature=1.0, min_p=1e-46, top_p=1e-46),
+    SamplingParams(temperature=0.5, repetition_penalty=1e-300, min_tokens=3),  # 0 in float32
+    SamplingParams(temperature=2.0, repetition_penalty=1e300, top_k=3, logprobs=2),
+    SamplingParams(temperature=1.0, seed=2**64 - 1, min_p=1.0),
+    SamplingParams(temperature=1.0, seed=-2**63, presence_penalty=-2, frequency_penalty=2),
+    SamplingParams(temperature=0.0, repetition_penalty=1e-300),
+]
+
+
+def test_extreme_valid_parameters_sample_in_range_and_leave_other_rows_alone():
+    vocab = 64
+    logits = torch.randn(len(EXTREME_BUT_VALID) + 2, vocab,
+                         generator=torch.Generator().manual_seed(16)) * 5
+    logits[:, :2] = 0.0  # exact zeros: 0 * inf is nan
+    seeded_params = SamplingParams(temperature=1.0, top_p=0.9, seed=77)
+    reqs = [make_request(i, p, outputs=[0, 1, 2], eos=[2, 3])
+            for i, p in enumerate(EXTREME_BUT_VALID)]
+    reqs += [make_request("greedy", SamplingParams(temperature=0.0)),
+             make_request("seeded", seeded_params)]
+    batch_sampler, alone_sampler = Sampler(seed=1), Sampler(seed=2)
+    alone_req = make_request("seeded", seeded_params)
+    for _ in range(3):  # the seeded row's generator advances alike in the batch and alone
+        got = sample(batch_sampler, logits, reqs).sampled_token_ids
+        alone = sample(alone_sampler, logits[-1:], [alone_req]).sampled_token_ids
+        assert ((got >= 0) & (got < vocab)).all()
+        assert got[-2].item() == logits[-2].argmax().item()
+        assert got[-1].item() == alone.item()
+
+
+def test_a_row_that_breaks_sampling_is_named_and_fails_alone():
+    from engine.sampler import SamplingError
+
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(17))
+    good = [make_request("a", SamplingParams(temperature=1.0, top_k=5)),
+            make_request("c", SamplingParams(temperature=0.0))]
+    # A value validation let through (set after it ran): top_k 0.5 becomes a k of 0.
+    bad_params = SamplingParams(temperature=1.0, top_k=5)
+    bad_params.top_k = 0.5
+    bad = make_request("b", bad_params)
+    sampler = Sampler()
+    with pytest.raises(SamplingError) as info:
+        sample(sampler, logits, [good[0], bad, good[1]])
+    assert info.value.failed_request_ids == ["b"]
+    # A seed torch refuses fails while preparing, before any generator advances.
+    huge_seed = SamplingParams(temperature=1.0, seed=5)
+    huge_seed.seed = 2**70
+    with pytest.raises(SamplingError) as info:
+        sampler.prepare([good[0], make_request("s", huge_seed), good[1]], 50, "cpu")
+    assert info.value.failed_request_ids == ["s"]
+    # The same sampler then serves the good rows as if nothing happened.
+    out = sample(sampler, logits[[0, 2]], good)
+    assert out.sampled_token_ids[1].item() == logits[2].argmax().item()

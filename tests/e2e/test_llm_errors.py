@@ -45,13 +45,31 @@ def test_triton_rejects_missing_input_and_wrong_dtype(server):
     assert outcome.error and "text_input" in outcome.error
 
 
+# Pass parsing, then are refused by the engine's own checks (INVALID_ARG, field named).
+ENGINE_REFUSED = [({"logprobs": 21}, "logprobs"), ({"stop_token_ids": [10**6]}, "stop_token_ids")]
+# These used to pass validation and then fail the whole engine step ("engine step failed"
+# for every request in it, prefix cache reset): now refused by name while parsing...
+NON_FINITE = [({"seed": 2**64}, "seed"),
+              ({"temperature": float("inf"), "min_tokens": 4, "top_p": 0.9}, "temperature"),
+              ({"repetition_penalty": "nan"}, "repetition_penalty")]
+# ... or served: values at float32's edges that the sampler handles.
+FLOAT32_EDGES = [{"top_p": 1e-46}, {"temperature": 1e300, "min_tokens": 4, "top_p": 0.9},
+                 {"repetition_penalty": 1e-300, "temperature": 0.5},
+                 {"seed": 2**64 - 1, "temperature": 1}]
+
+
 def test_bad_requests_do_not_disturb_good_ones(server, reference):
     expected = reference.generate(PROMPTS[:4], greedy(48))
     results = {}
+    edges = [llm_inputs(PROMPTS[5], {**edge, "max_tokens": 24}, stream=True)
+             for edge in FLOAT32_EDGES]
 
     def good():
+        # The edge cases ride in the same stream, so they share engine steps with the
+        # greedy requests; infer_many fails on any error.
         results["good"] = infer_many(server.grpc, "llm", [
-            llm_inputs(p, {"temperature": 0, "max_tokens": 48}, stream=True) for p in PROMPTS[:4]])
+            llm_inputs(p, {"temperature": 0, "max_tokens": 48}, stream=True) for p in PROMPTS[:4]
+        ] + edges)
 
     thread = threading.Thread(target=good)
     thread.start()
@@ -60,9 +78,18 @@ def test_bad_requests_do_not_disturb_good_ones(server, reference):
     bad.append(infer_one(server.grpc, "llm", {
         "text_input": np.array([b"hi"], dtype=np.object_),
         "sampling_parameters": np.array([b"{oops"], dtype=np.object_)}))
+    named = [(infer_one(server.grpc, "llm", llm_inputs(PROMPTS[4], sampling)), field)
+             for sampling, field in ENGINE_REFUSED + NON_FINITE]
     thread.join(timeout=120)
     assert all(b.error and not b.responses for b in bad), [b.error for b in bad]
-    assert [o.text for o in results["good"]] == [e.outputs[0].text for e in expected]
+    for outcome, field in named:
+        assert outcome.error and not outcome.responses and field in outcome.error, outcome.error
+        assert "engine step failed" not in outcome.error
+    outputs = results["good"]
+    assert [o.text for o in outputs[:4]] == [e.outputs[0].text for e in expected]
+    assert all(o.final for o in outputs[4:])
+    # top_p below float32's resolution keeps the top token only: greedy.
+    assert outputs[4].text == reference.generate([PROMPTS[5]], greedy(24))[0].outputs[0].text
 
 
 def test_engine_failure_errors_in_flight_requests_and_model_recovers(server, reference):

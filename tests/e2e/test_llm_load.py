@@ -33,26 +33,40 @@ def test_64_concurrent_streams_mixed_lengths(server, reference):
     assert wait_metric(server, "vllm:num_requests_running", "llm", lambda v: v == 0) == 0
 
 
-def test_cancellation_frees_kv_blocks(server):
-    received = []
+def test_cancellation_stops_generation_and_frees_kv_blocks(server):
+    # 480 forced tokens each (prompt + 480 < max_model_len 512): ~2-5 s of decoding for the
+    # three here, so only the counters below, not the wait, tell a cancel from a finish.
+    num_tokens, num_requests = 480, 3
+    before = metric(scrape_metrics(server.metrics), "vllm:generation_tokens_total", "llm")
+    received, errors = [], []
 
     def callback(result, error):
-        received.append(error if error is not None else result)
+        (errors if error is not None else received).append(error if error is not None else result)
 
     client = grpcclient.InferenceServerClient(server.grpc)
     client.start_stream(callback=callback)
-    for i in range(3):
-        client.async_stream_infer("llm", tensors_to_inputs(
-            llm_inputs(PROMPTS[i], {"max_tokens": 400, "min_tokens": 400}, stream=True)), request_id=str(i))
+    for i in range(num_requests):
+        client.async_stream_infer("llm", tensors_to_inputs(llm_inputs(
+            PROMPTS[i], {"max_tokens": num_tokens, "min_tokens": num_tokens}, stream=True)),
+            request_id=str(i))
     deadline = time.monotonic() + 60
-    while len(received) < 6 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(received) >= 6, "streams did not start"
+    while len(received) < 2 * num_requests and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(received) >= 2 * num_requests, "streams did not start"
     assert wait_metric(server, "vllm:kv_cache_usage_perc", "llm", lambda v: v > 0, timeout=5) > 0
     client.stop_stream(cancel_requests=True)
+    cancelled_at = time.monotonic()
     client.close()
-    assert wait_metric(server, "vllm:kv_cache_usage_perc", "llm", lambda v: v == 0) == 0
-    assert wait_metric(server, "vllm:num_requests_running", "llm", lambda v: v == 0) == 0
+    assert errors and all(e.status() == "StatusCode.CANCELLED" for e in errors), errors
+    assert not any(r.get_response().parameters["triton_final_response"].bool_param for r in received)
+    assert wait_metric(server, "vllm:kv_cache_usage_perc", "llm", lambda v: v == 0, timeout=5) == 0
+    assert time.monotonic() - cancelled_at < 5
+    assert wait_metric(server, "vllm:num_requests_running", "llm", lambda v: v == 0, timeout=5) == 0
+    # The server stopped decoding: far fewer tokens than the requests would have made.
+    time.sleep(0.5)
+    generated = metric(scrape_metrics(server.metrics), "vllm:generation_tokens_total", "llm") - before
+    assert len(received) < num_requests * num_tokens / 4
+    assert generated < num_requests * num_tokens / 4, generated
 
 
 def test_token_counters_match_what_was_sent(server):

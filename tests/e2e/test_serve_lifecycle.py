@@ -448,8 +448,9 @@ def test_nothing_outlives_a_sigkilled_starter(tmp_path, reaper):
         stand_in = proc(stand_in_pid)
         [stub] = descendants(stand_in_pid)
         if reaper == "reaper_killed_first":
+            reaper_proc = proc(reaper_pid)  # before the kill: afterwards it may be gone
             os.kill(reaper_pid, signal.SIGKILL)
-            assert not wait_dead([proc(reaper_pid)], 2.0)
+            assert not wait_dead([reaper_proc], 2.0)
             leftovers = [stub]  # only the reaper would have killed it
         starter.kill()
         # PR_SET_PDEATHSIG ends tritonserver, the reaper its whole group.

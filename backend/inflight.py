@@ -1,0 +1,42 @@
+"""One request on its way through the engine loop, and the latency figures it yields."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from backend.metrics import StepMetrics
+from engine.request import RequestOutput, SamplingParams
+
+
+@dataclass(slots=True)
+class Inflight:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    sender: Any
+    # RequestOutput -> tensors to send, or None when this step has nothing for the client.
+    build: Callable[[RequestOutput], dict[str, np.ndarray] | None]
+    arrival: float
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+
+
+def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, step_start: float,
+                   now: float) -> None:
+    """Adds this output's TTFT / inter-token / queue / end-to-end figures to the step's metrics."""
+    new_tokens = len(out.outputs[0].delta_token_ids)
+    if new_tokens:
+        if request.first_token_at is None:
+            request.first_token_at = now
+            step.ttft.append(now - request.arrival)
+            queued = (out.metrics or {}).get("queue_time")
+            # Without the engine's own figure: arrival until the step that ran the
+            # (last chunk of the) prefill began.
+            step.queue.append(queued if queued is not None else max(0.0, step_start - request.arrival))
+        else:
+            step.itl.append(now - request.last_token_at)
+        request.last_token_at = now
+    if out.finished:
+        step.e2e.append(now - request.arrival)
