@@ -48,8 +48,9 @@ def read_self_ticks(path: str = "/proc/self/stat") -> int | None:
 
 @dataclass
 class ThreadGovernor:
-    """Call `update()` once per engine step; it samples at most every `interval_s` and
-    changes the count when two samples in a row ask for the same new one."""
+    """Call `update()` when the engine starts loading (the first sample), once it is
+    built, and once per engine step; it samples at most every `interval_s` and changes the count when two
+    samples in a row ask for the same new one, or one sample spans two intervals."""
     max_threads: int
     cpus: frozenset[int]
     interval_s: float = 1.0
@@ -81,9 +82,13 @@ class ThreadGovernor:
         others = max(0.0, (busy - last[1]) - (own - last[2])) / max(elapsed, 1e-9)
         wanted = max(1, min(self.max_threads, round(len(self.cpus) - others)))
         # Two samples in a row must agree: a burst of the server's own gRPC/IPC threads
-        # or a short-lived process should not make the pool flap.
+        # or a short-lived process should not make the pool flap. A window of two
+        # intervals or more (the first step after an idle spell) is averaged enough alone,
+        # and acting on it at once matters: the first prefill beside a busy neighbour took
+        # 6.3 s on 2 threads (2 cores, AVX2), before any second sample could come.
         proposed, self._proposed = self._proposed, wanted
-        if wanted == self.threads or wanted != proposed:
+        long_window = now - last[0] >= 2 * self.interval_s
+        if wanted == self.threads or (wanted != proposed and not long_window):
             return None
         logger.info("CPU threads %d -> %d: other processes are using %.1f of our %d CPUs",
                     self.threads, wanted, others, len(self.cpus))
@@ -107,4 +112,6 @@ def configure_threads(num_threads: int, usable: int, device: str) -> ThreadGover
     torch.set_num_threads(num_threads or usable)
     if num_threads:
         return None
-    return ThreadGovernor(usable, affinity_cpus())
+    governor = ThreadGovernor(usable, affinity_cpus())
+    governor.update()  # the first sample: loading and warm-up make the first window
+    return governor

@@ -154,5 +154,9 @@ def test_governor_gives_up_threads_to_a_busy_neighbour_and_takes_them_back():
     assert second(1.0, 2.0) is None
     assert second(2.0, 0.0) is None and second(2.0, 0.0) == 4  # they left
     assert second(1.0, 9.0) is None and second(1.0, 9.0) == 1  # never below one thread
+    clock.now += 5.0                           # an idle spell beside a neighbour, then a
+    state["own"] += 10                         # step: one long sample is enough
+    state["busy"] += 10 + 500 * 2
+    assert gov.update() == 2
     single = ThreadGovernor(max_threads=1, cpus=frozenset({0}), clock=clock)
     assert single.update() is None
