@@ -183,7 +183,8 @@ class EngineLoop:
 
     def _admit(self, request: Inflight) -> None:
         try:
-            self.engine.add_request(request.request_id, request.prompt, request.params)
+            self.engine.add_request(request.request_id, request.prompt, request.params,
+                                    priority=request.priority)
         except ValueError as exc:
             self._worker.send_error(request.sender, str(exc), triton_io.INVALID_ARG)
             return

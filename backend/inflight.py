@@ -19,6 +19,7 @@ class Inflight:
     # RequestOutput -> tensors to send, or None when this step has nothing for the client.
     build: Callable[[RequestOutput], dict[str, np.ndarray] | None]
     arrival: float
+    priority: int = 0  # lower is served first under policy=priority
     first_token_at: float | None = None
     last_token_at: float | None = None
 

@@ -27,7 +27,8 @@ class LLMModel(EngineModel):
         # call as LLMEngine.add_request makes for a text prompt.
         prompt_ids = self.tokenizer.encode(parsed.prompt)
         builder = LLMResponseBuilder(parsed, decode_token=self._decode_token)
-        return Inflight(request_id, prompt_ids, parsed.params, sender, builder.build, arrival)
+        return Inflight(request_id, prompt_ids, parsed.params, sender, builder.build, arrival,
+                        parsed.priority)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -48,6 +48,19 @@ class LLMRequest:
     stream: bool
     exclude_input_in_output: bool
     returns: ReturnFlags
+    # Under policy=priority, lower is served first (vLLM's convention); 0 by default.
+    priority: int = 0
+
+
+# INT32 as the `priority` input tensor, so the JSON key cannot hold more.
+PRIORITY_RANGE = (-2**31, 2**31 - 1)
+
+
+def parse_priority(value: Any) -> int:
+    priority = _to_int("priority", value)
+    if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
+        raise InvalidRequest(f"priority must be a 32-bit integer, got {priority}")
+    return priority
 
 
 def to_bool(name: str, value: Any) -> bool:
@@ -221,10 +234,13 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
             switches[name] = to_bool(name, value)
 
     sp_text = scalar("sampling_parameters", inputs.get("sampling_parameters"))
-    if sp_text is not None:
-        params = parse_sampling_parameters(load_json_object("sampling_parameters", sp_text))
-    else:
-        params = parse_sampling_parameters(req_params, ignore=_SWITCHES)
+    sampling = load_json_object("sampling_parameters", sp_text) if sp_text is not None else req_params
+    # Not a sampling parameter, but where vLLM clients put per-request options; the
+    # `priority` input tensor wins.
+    priority = parse_priority(sampling["priority"]) if "priority" in sampling else 0
+    if (value := scalar("priority", inputs.get("priority"))) is not None:
+        priority = parse_priority(value)
+    params = parse_sampling_parameters(sampling, ignore=(*_SWITCHES, "priority"))
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)
@@ -236,4 +252,4 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:
         # Logprobs of the sampled token cost nothing extra; asking for them is implied.
         params.logprobs = 0
-    return LLMRequest(prompt, params, stream, exclude, returns)
+    return LLMRequest(prompt, params, stream, exclude, returns, priority)

@@ -15,7 +15,8 @@ class TokenIdModel(EngineModel):
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
         parsed = parse_token_request(triton_io.read_inputs(request, self.input_names), self._decode)
         builder = TokenResponseBuilder(parsed, self._decode)
-        return Inflight(request_id, parsed.prompt_token_ids, parsed.params, sender, builder.build, arrival)
+        return Inflight(request_id, parsed.prompt_token_ids, parsed.params, sender, builder.build,
+                        arrival, parsed.priority)
 
     def _decode(self, ids: list[int]) -> str:
         return decode_ids(self.tokenizer, ids)

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
-from backend.request_parsing import InvalidRequest, scalar, to_bool
+from backend.request_parsing import InvalidRequest, parse_priority, scalar, to_bool
 from engine.request import SamplingParams
 
 
@@ -21,6 +21,7 @@ class TokenRequest:
     stream: bool
     exclude_input_in_output: bool
     end_id: int | None
+    priority: int = 0
 
 
 def words_from_trtllm_list(name: str, array: np.ndarray | None) -> list[list[int]]:
@@ -108,4 +109,6 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None],
     stream = to_bool("streaming", v) if (v := _opt(inputs, "streaming")) is not None else False
     exclude = (to_bool("exclude_input_in_output", v)
                if (v := _opt(inputs, "exclude_input_in_output")) is not None else False)
-    return TokenRequest(prompt, params, stream, exclude, None if end_id is None else int(end_id))
+    priority = parse_priority(v) if (v := _opt(inputs, "priority")) is not None else 0
+    return TokenRequest(prompt, params, stream, exclude, None if end_id is None else int(end_id),
+                        priority)

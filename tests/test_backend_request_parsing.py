@@ -105,3 +105,19 @@ def test_logprob_outputs_imply_sampled_logprobs():
     assert r.params.logprobs == 0
     r = parse_llm_request(tensors(sampling={"logprobs": 3}, return_logprobs=True))
     assert r.params.logprobs == 3
+
+
+def test_priority_from_sampling_parameters_request_parameters_or_input():
+    assert parse_llm_request(tensors()).priority == 0
+    assert parse_llm_request(tensors(sampling={"priority": -3, "max_tokens": 2})).priority == -3
+    assert parse_llm_request(tensors(sampling={"priority": "7"})).priority == 7
+    assert parse_llm_request(tensors(), json.dumps({"priority": 5, "max_tokens": 2})).priority == 5
+    # The INT32 input wins over the JSON key.
+    inputs = {**tensors(sampling={"priority": 9}), "priority": np.array([1], dtype=np.int32)}
+    assert parse_llm_request(inputs).priority == 1
+
+
+@pytest.mark.parametrize("value", [1.5, "high", True, 2**31, None])
+def test_bad_priority_is_named(value):
+    with pytest.raises(InvalidRequest, match="priority"):
+        parse_llm_request(tensors(sampling={"priority": value}))

@@ -122,3 +122,8 @@ def test_llm_non_streaming_prepends_prompt_unless_excluded():
     assert LLMResponseBuilder(prepend).build(out)["text_output"][0] == b"Hiab"
     exclude = LLMRequest("Hi", SamplingParams(), False, True, ReturnFlags())
     assert LLMResponseBuilder(exclude).build(out)["text_output"][0] == b"ab"
+
+
+def test_token_request_priority_input():
+    assert parse_token_request(token_inputs(), decode=lambda ids: "").priority == 0
+    assert parse_token_request(token_inputs(priority=np.int32(-2)), decode=lambda ids: "").priority == -2

@@ -53,10 +53,12 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
     repo = copy_repository(
         REPO_ROOT / "model_repository", work / "models",
         models=["llm", "tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
-        renames={"llm_faulty": "llm", "llm_default": "llm"},
+        renames={"llm_faulty": "llm", "llm_default": "llm", "llm_priority": "llm"},
         params={"llm": tiny, "tensorrt_llm": tiny,
                 "llm_faulty": {**tiny, "inject_failure_at_step": str(FAILURE_STEP)},
                 "llm_default": {"model": "", **DEFAULT_MODEL_ARGS},
+                "llm_priority": {**tiny, "policy": "priority", "max_num_seqs": "2",
+                                 "num_kv_blocks": "33"},
                 "preprocessing": {"tokenizer": str(tiny_model_dir)},
                 "postprocessing": {"tokenizer": str(tiny_model_dir)}})
     log = work / "tritonserver.log"
