@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kernels.cpu_features import affinity_cpus
+
 logger = logging.getLogger(__name__)
 
 
@@ -65,6 +67,12 @@ class ThreadGovernor:
     def __post_init__(self) -> None:
         self.threads = self.max_threads
 
+    def adapt(self) -> None:
+        """update(), and hand a changed count to torch (on the calling, engine thread)."""
+        if (threads := self.update()) is not None:
+            import torch
+            torch.set_num_threads(threads)
+
     def update(self) -> int | None:
         """The new thread count when it should change, else None."""
         if self.max_threads <= 1:
@@ -94,13 +102,6 @@ class ThreadGovernor:
                     self.threads, wanted, others, len(self.cpus))
         self.threads = wanted
         return wanted
-
-
-def affinity_cpus() -> frozenset[int]:
-    try:
-        return frozenset(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return frozenset(range(os.cpu_count() or 1))
 
 
 def configure_threads(num_threads: int, usable: int, device: str) -> ThreadGovernor | None:

@@ -74,8 +74,8 @@ class LLMEngine:
         self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
         warm_up_s = time.perf_counter() - warm_start
         # Load and warm-up span a long window: a busy neighbour is seen before the first step.
-        if self._threads is not None and (threads := self._threads.update()):
-            torch.set_num_threads(threads)
+        if self._threads is not None:
+            self._threads.adapt()
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self.prompt_tokens_total = 0
@@ -173,8 +173,8 @@ class LLMEngine:
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled_requests:
             return []
-        if self._threads is not None and (threads := self._threads.update()):
-            torch.set_num_threads(threads)
+        if self._threads is not None:
+            self._threads.adapt()
         try:
             result = self.runner.execute(sched_out)
         except Exception as exc:

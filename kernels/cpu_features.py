@@ -133,13 +133,18 @@ def cgroup_cpu_limit() -> float | None:
     return None
 
 
+def affinity_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (all of them where there is no affinity API)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return frozenset(range(os.cpu_count() or 1))
+
+
 def usable_cpus() -> int:
     """CPUs the process may use: its affinity mask, further limited by a cgroup quota
     (a container given 2.5 CPUs of a 64-core host should run 2 threads, not 64)."""
-    try:
-        count = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        count = os.cpu_count() or 1
+    count = len(affinity_cpus())
     quota = cgroup_cpu_limit()
     if quota is not None:
         count = min(count, max(1, int(quota)))
