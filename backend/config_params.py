@@ -4,11 +4,11 @@ Everything not listed in BackendOptions is an engine argument, so a misspelt eng
 argument fails the model load instead of being silently ignored."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Mapping
 
-from backend.request_parsing import InvalidRequest, to_bool
 from engine.config import EngineConfig
+from engine.values import convert
 
 
 @dataclass(slots=True)
@@ -26,27 +26,15 @@ class BackendOptions:
     inject_loop_failure_at_step: int = 0
 
 
-def _non_negative_int(key: str, value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise ValueError
-    return number
-
-
-def _non_negative_float(key: str, value: str) -> float:
-    number = float(value)
-    if not number >= 0:  # also refuses nan
-        raise ValueError
-    return number
-
-
-_BACKEND_KEYS: dict[str, tuple[str, Callable[[str, str], Any]]] = {
-    "REPORT_CUSTOM_METRICS": ("report_custom_metrics", to_bool),
-    "DRAIN_TIMEOUT_S": ("drain_timeout_s", _non_negative_float),
-    "MAX_QUEUE_LEN": ("max_queue_len", _non_negative_int),
-    "ENABLE_VLLM_HEALTH_CHECK": ("enable_health_check", to_bool),
-    "INJECT_LOOP_FAILURE_AT_STEP": ("inject_loop_failure_at_step", _non_negative_int),
+# config.pbtxt key -> BackendOptions field; every number among them must be >= 0.
+_BACKEND_KEYS = {
+    "REPORT_CUSTOM_METRICS": "report_custom_metrics",
+    "DRAIN_TIMEOUT_S": "drain_timeout_s",
+    "MAX_QUEUE_LEN": "max_queue_len",
+    "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
+    "INJECT_LOOP_FAILURE_AT_STEP": "inject_loop_failure_at_step",
 }
+_OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}
 
 
 def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, BackendOptions]:
@@ -57,11 +45,12 @@ def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, BackendOp
         if key not in _BACKEND_KEYS:
             engine_args[key] = value
             continue
-        attr, convert = _BACKEND_KEYS[key]
-        try:
-            setattr(options, attr, convert(key, value.strip()))
-        except (InvalidRequest, ValueError):
-            raise ValueError(f"parameter {key!r}: invalid value {value!r}") from None
+        attr = _BACKEND_KEYS[key]
+        name = f"parameter {key!r}"
+        option = convert(name, value, _OPTION_KINDS[attr])
+        if not isinstance(option, bool) and option < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+        setattr(options, attr, option)
     try:
         config = EngineConfig.from_dict(engine_args)
     except ValueError as exc:

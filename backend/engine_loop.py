@@ -183,8 +183,9 @@ class EngineLoop:
 
     def _admit(self, request: Inflight) -> None:
         try:
+            # Triton's arrival: the engine's queue time then counts the inbox too.
             self.engine.add_request(request.request_id, request.prompt, request.params,
-                                    priority=request.priority)
+                                    priority=request.priority, arrival_time=request.arrival)
         except ValueError as exc:
             self._worker.send_error(request.sender, str(exc), triton_io.INVALID_ARG)
             return

@@ -16,7 +16,7 @@ from backend.response_worker import ResponseWorker
 
 
 class EngineModel:
-    """Subclasses implement `make_inflight(request, request_id, sender, arrival)`."""
+    """The Triton side of an engine model; subclasses implement `make_inflight`."""
 
     def initialize(self, args: dict[str, Any]) -> None:
         config = triton_io.parse_model_config(args)
@@ -69,6 +69,12 @@ class EngineModel:
         return None
 
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
+        """Read and check one Triton request, on Triton's execute thread, and return what
+        the engine loop needs: the prompt (the `llm` model tokenizes it here), the sampling
+        parameters, the response builder and the priority; `sender` and `arrival` (a
+        time.monotonic() stamp) are carried along. Nothing reaches the engine here: the
+        caller submits the result. InvalidRequest, or any other exception, makes the caller
+        send one FINAL INVALID_ARG response and skip the request."""
         raise NotImplementedError
 
     def _on_engine_death(self, reason: str) -> None:

@@ -32,10 +32,10 @@ def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, ste
         if request.first_token_at is None:
             request.first_token_at = now
             step.ttft.append(now - request.arrival)
-            queued = (out.metrics or {}).get("queue_time")
-            # Without the engine's own figure: arrival until the step that ran the
-            # (last chunk of the) prefill began.
-            step.queue.append(queued if queued is not None else max(0.0, step_start - request.arrival))
+            queued = out.metrics.time_in_queue if out.metrics is not None else None
+            # The engine counts from Triton's arrival (passed to add_request) to the
+            # request's first admission; a stand-in engine may not say.
+            step.queue.append(max(0.0, step_start - request.arrival) if queued is None else queued)
         else:
             step.itl.append(now - request.last_token_at)
         request.last_token_at = now

@@ -5,7 +5,7 @@ tensors to send, or None when this step has nothing for the client."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -19,8 +19,6 @@ class LLMResponseBuilder:
     request: LLMRequest
     # token id -> text, used only for return_logprobs' "decoded_token".
     decode_token: Callable[[int], str] | None = None
-    _num_logprobs_sent: int = field(default=0)
-    _num_tokens_sent: int = field(default=0)
 
     def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         completion = out.outputs[0]
@@ -30,16 +28,16 @@ class LLMResponseBuilder:
             # even when the final step produced no text (e.g. it sampled EOS).
             if not completion.delta_text and not finished:
                 return None
+            # The engine releases tokens with their text: tokens held back mid-character
+            # or mid-stop-string are counted with the response that carries their text.
             text = completion.delta_text
-            # Tokens of steps that produced no text (held back mid-character or
-            # mid-stop-string) are counted with the response that finally carries them.
-            num_tokens = len(completion.token_ids) - self._num_tokens_sent
-            self._num_tokens_sent = len(completion.token_ids)
+            token_ids, logprobs = completion.delta_token_ids, completion.delta_logprobs
         else:
             if not finished:
                 return None
             text = completion.text if self.request.exclude_input_in_output else self.request.prompt + completion.text
-            num_tokens = len(completion.token_ids)
+            token_ids, logprobs = completion.token_ids, completion.logprobs
+        num_tokens = len(token_ids)
         tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
         returns = self.request.returns
         if returns.finish_reason:
@@ -53,17 +51,12 @@ class LLMResponseBuilder:
             value = completion.cumulative_logprob
             tensors["cumulative_logprob"] = np.array([np.nan if value is None else value], dtype=np.float32)
         if returns.logprobs:
-            tensors["logprobs"] = np.array([self._logprobs_json(completion.logprobs, completion.token_ids)],
-                                           dtype=np.object_)
+            tensors["logprobs"] = np.array([self._logprobs_json(logprobs)], dtype=np.object_)
         return tensors
 
-    def _logprobs_json(self, logprobs: list[dict[int, float]] | None, token_ids: list[int]) -> bytes:
-        # Streaming responses carry the entries new since the previous response.
-        entries = logprobs or []
-        new = entries[self._num_logprobs_sent:] if self.request.stream else entries
-        self._num_logprobs_sent = len(entries)
+    def _logprobs_json(self, logprobs: list[dict[int, float]] | None) -> bytes:
         payload = []
-        for position in new:
+        for position in logprobs or []:
             item = {}
             for token_id, logprob in position.items():
                 info = {"logprob": float(logprob)}

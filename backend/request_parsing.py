@@ -2,7 +2,8 @@
 
 Pure Python (numpy only) so every rule here is unit-tested without a server. The
 rules follow triton-inference-server/vllm_backend so its clients work unchanged,
-except that booleans given as strings are parsed ("false" is False, not truthy).
+except that values given as strings are parsed by engine/values.py, the converter
+config.pbtxt parameters go through too ("false" is False, not truthy).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from engine.request import SamplingParams
+from engine.values import convert
 
 
 class InvalidRequest(ValueError):
@@ -52,99 +54,27 @@ class LLMRequest:
     priority: int = 0
 
 
+def client_value(name: str, value: Any, kind: str) -> Any:
+    """engine.values.convert, its error reported as the client's (INVALID_ARG)."""
+    try:
+        return convert(name, value, kind)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
 # INT32 as the `priority` input tensor, so the JSON key cannot hold more.
 PRIORITY_RANGE = (-2**31, 2**31 - 1)
 
 
 def parse_priority(value: Any) -> int:
-    priority = _to_int("priority", value)
+    priority = client_value("priority", value, "int")
     if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise InvalidRequest(f"priority must be a 32-bit integer, got {priority}")
     return priority
 
 
 def to_bool(name: str, value: Any) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    if isinstance(value, (int, np.integer)) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        low = value.strip().lower()
-        if low in ("true", "1", "yes"):
-            return True
-        if low in ("false", "0", "no"):
-            return False
-    raise InvalidRequest(f"{name} must be a boolean, got {value!r}")
-
-
-def _to_int(name: str, value: Any) -> int:
-    if isinstance(value, bool):
-        raise InvalidRequest(f"{name} must be an integer, got {value!r}")
-    if isinstance(value, (int, np.integer)):
-        return int(value)
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str):
-        try:
-            return int(value.strip())
-        except ValueError:
-            pass
-    raise InvalidRequest(f"{name} must be an integer, got {value!r}")
-
-
-def _to_float(name: str, value: Any) -> float:
-    if not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating)):
-        try:
-            return float(value)
-        except OverflowError:
-            raise InvalidRequest(f"{name} must be a finite number, got an integer too large "
-                                 f"for a float") from None
-    if isinstance(value, str):
-        try:
-            return float(value.strip())
-        except ValueError:
-            pass
-    raise InvalidRequest(f"{name} must be a number, got {value!r}")
-
-
-def _to_list(name: str, value: Any) -> list:
-    # Strings may hold a JSON list ('["a","b"]'), as string-only clients send them.
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("["):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError:
-                raise InvalidRequest(f"{name}: invalid JSON list {value!r}") from None
-        else:
-            # Whitespace is significant here ("\n" is a common stop string).
-            value = [value] if value else []
-    if not isinstance(value, list):
-        raise InvalidRequest(f"{name} must be a list, got {value!r}")
-    return value
-
-
-def _convert(name: str, value: Any) -> Any:
-    kind = _SAMPLING_FIELDS[name]
-    optional = "None" in kind
-    if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
-        if optional:
-            return None
-        raise InvalidRequest(f"sampling parameter {name!r} must not be null")
-    if kind.startswith("bool"):
-        return to_bool(name, value)
-    if kind.startswith("int"):
-        return _to_int(name, value)
-    if kind.startswith("float"):
-        return _to_float(name, value)
-    if kind.startswith("list[str]"):
-        items = _to_list(name, value)
-        if not all(isinstance(s, str) for s in items):
-            raise InvalidRequest(f"{name} must be a list of strings, got {value!r}")
-        return items
-    if kind.startswith("list[int]"):
-        return [_to_int(name, v) for v in _to_list(name, value)]
-    raise AssertionError(f"no converter for SamplingParams.{name}: {kind}")  # pragma: no cover
+    return client_value(name, value, "bool")
 
 
 def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> SamplingParams:
@@ -158,14 +88,14 @@ def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...]
             continue
         if name in _ONLY_DEFAULT:
             expected = _ONLY_DEFAULT[name]
-            conv = to_bool(name, value) if isinstance(expected, bool) else _to_float(name, value)
+            conv = client_value(name, value, "bool" if isinstance(expected, bool) else "float")
             if conv != expected:
                 raise InvalidRequest(f"sampling parameter {name!r} is not supported "
                                      f"(only {expected!r}), got {value!r}")
             continue
         if name not in _SAMPLING_FIELDS:
             raise InvalidRequest(f"unknown sampling parameter {name!r}")
-        kwargs[name] = _convert(name, value)
+        kwargs[name] = client_value(name, value, _SAMPLING_FIELDS[name])
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:

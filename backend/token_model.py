@@ -8,15 +8,12 @@ from backend import triton_io
 from backend.engine_model import EngineModel
 from backend.inflight import Inflight
 from backend.token_request_parsing import parse_token_request
-from backend.token_responses import TokenResponseBuilder, decode_ids
+from backend.token_responses import TokenResponseBuilder
 
 
 class TokenIdModel(EngineModel):
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
-        parsed = parse_token_request(triton_io.read_inputs(request, self.input_names), self._decode)
-        builder = TokenResponseBuilder(parsed, self._decode)
+        parsed = parse_token_request(triton_io.read_inputs(request, self.input_names))
+        builder = TokenResponseBuilder(parsed)
         return Inflight(request_id, parsed.prompt_token_ids, parsed.params, sender, builder.build,
                         arrival, parsed.priority)
-
-    def _decode(self, ids: list[int]) -> str:
-        return decode_ids(self.tokenizer, ids)

@@ -6,7 +6,7 @@ TensorRT-LLM's meaning of its knobs: greedy unless top_k > 1 or top_p > 0."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -50,8 +50,7 @@ def _opt(inputs: Mapping[str, np.ndarray | None], name: str) -> Any:
     return scalar(name, inputs.get(name))
 
 
-def parse_token_request(inputs: Mapping[str, np.ndarray | None],
-                        decode: Callable[[list[int]], str]) -> TokenRequest:
+def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest:
     ids = inputs.get("input_ids")
     if ids is None:
         raise InvalidRequest("missing required input 'input_ids'")
@@ -79,7 +78,7 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None],
         raise InvalidRequest(f"beam_width must be 1 (beam search is not supported), got {int(beam_width)}")
     if words_from_trtllm_list("bad_words_list", inputs.get("bad_words_list")):
         raise InvalidRequest("bad_words is not supported; send it empty")
-    stop_words = [decode(w) for w in words_from_trtllm_list("stop_words_list", inputs.get("stop_words_list"))]
+    stop_words = words_from_trtllm_list("stop_words_list", inputs.get("stop_words_list"))
 
     top_k = _opt(inputs, "runtime_top_k")
     top_p = _opt(inputs, "runtime_top_p")
@@ -96,9 +95,8 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None],
         top_k=int(top_k) if sampling and top_k is not None and int(top_k) > 1 else 0,
         top_p=float(top_p) if sampling and top_p is not None and float(top_p) > 0 else 1.0,
         seed=next(iter(seeds.values()), None),
-        stop=[w for w in stop_words if w],
-        # TensorRT-LLM returns the stop word as part of the output.
-        include_stop_str_in_output=True,
+        # Matched as ids, as TensorRT-LLM does; the stop word stays in the output.
+        stop_token_sequences=stop_words,
     )
     if end_id is not None:
         kwargs["stop_token_ids"] = [int(end_id)]

@@ -3,10 +3,10 @@
 Streaming detokenization happens in the stateless `postprocessing` model, which sees
 one response at a time. Two things make a per-response decode wrong: a token can end
 in the middle of a multi-byte UTF-8 character, and SentencePiece tokenizers drop a
-word's leading space when it is decoded on its own. So this builder (which has the
-state) holds tokens back while they decode to an incomplete character, and sends
-with each batch of new ids `prefix_ids`, the few ids before them (the prompt's tail
-for the first batch); postprocessing returns decode(prefix + ids) minus
+word's leading space when it is decoded on its own. The engine releases output only
+where every token so far decodes to whole characters (`delta_token_ids`), and this
+builder sends with each chunk `prefix_ids`, the CONTEXT_TOKENS ids before it (the
+prompt's tail for the first chunk); postprocessing returns decode(prefix + ids) minus
 decode(prefix), which is exactly the text the new ids add."""
 from __future__ import annotations
 
@@ -16,10 +16,8 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.token_request_parsing import TokenRequest
+from engine.detokenizer import CONTEXT_TOKENS
 from engine.request import RequestOutput
-
-PREFIX_TOKENS = 6
-_REPLACEMENT = "\ufffd"
 
 
 def decode_ids(tokenizer: Any, ids: list[int]) -> str:
@@ -38,23 +36,18 @@ def decode_after(decode: Callable[[list[int]], str], prefix: list[int], ids: lis
 @dataclass(slots=True)
 class TokenResponseBuilder:
     request: TokenRequest
-    decode: Callable[[list[int]], str]
-    _context: list[int] = field(default_factory=list)
-    _pending: list[int] = field(default_factory=list)
+    _context: list[int] = field(default_factory=list)  # the ids before the next chunk
 
     def __post_init__(self) -> None:
-        self._context = self.request.prompt_token_ids[-PREFIX_TOKENS:]
+        self._context = self.request.prompt_token_ids[-CONTEXT_TOKENS:]
 
     def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         completion = out.outputs[0]
         if self.request.stream:
-            self._pending.extend(completion.delta_token_ids)
-            if not out.finished:
-                if not self._pending or self.decode(self._context + self._pending).endswith(_REPLACEMENT):
-                    return None
-            ids, prefix = self._pending, self._context
-            self._context = (self._context + ids)[-PREFIX_TOKENS:]
-            self._pending = []
+            ids, prefix = list(completion.delta_token_ids), self._context
+            if not ids and not out.finished:
+                return None
+            self._context = (prefix + ids)[-CONTEXT_TOKENS:]
         else:
             if not out.finished:
                 return None
@@ -62,10 +55,8 @@ class TokenResponseBuilder:
                 ids, prefix = list(completion.token_ids), self._context
             else:
                 ids, prefix = list(out.prompt_token_ids) + list(completion.token_ids), []
-        if (out.finished and completion.finish_reason == "stop" and ids
-                and not isinstance(completion.stop_reason, str)):
-            # Stopped by EOS or end_id (not a stop string): as in TensorRT-LLM, the end
-            # token is not part of the output.
+        if completion.finished_on_stop_token and ids:
+            # As in TensorRT-LLM, the end token (EOS or end_id) is not part of the output.
             ids = ids[:-1]
         return {
             "output_ids": np.array(ids, dtype=np.int32).reshape(1, 1, -1),

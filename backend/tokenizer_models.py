@@ -1,7 +1,8 @@
 """`preprocessing` (text -> ids) and `postprocessing` (ids -> text) for the ensemble.
 
 Both are plain (non-decoupled) models that handle a whole batch per call; they load
-only the tokenizer, not the model weights."""
+only the tokenizer, not the model weights: the engine model's tokenizer, found as
+backend/tokenizer_source.py explains."""
 from __future__ import annotations
 
 import functools
@@ -13,27 +14,16 @@ import numpy as np
 from backend import triton_io
 from backend.request_parsing import InvalidRequest, decode_text
 from backend.token_responses import decode_after, decode_ids
-
-
-def load_tokenizer(path: str) -> Any:
-    """'' -> the embedded default model's tokenizer; a .gguf -> its converted folder."""
-    from transformers import AutoTokenizer
-
-    from engine.models.gguf_cache import converted_dir_for, default_model_dir
-
-    if not path:
-        folder = default_model_dir()
-    elif path.endswith(".gguf"):
-        folder = converted_dir_for(path)
-    else:
-        folder = Path(path)
-    return AutoTokenizer.from_pretrained(folder)
+from backend.tokenizer_source import tokenizer_source
+from engine.models import load_tokenizer
 
 
 class _TokenizerModel:
     def initialize(self, args: dict[str, Any]) -> None:
         params = triton_io.model_parameters(triton_io.parse_model_config(args))
-        self.tokenizer = load_tokenizer(params.get("tokenizer", ""))
+        source = tokenizer_source(args["model_name"], params, Path(args["model_repository"]))
+        self.tokenizer = load_tokenizer(source.model, source.tokenizer)
+        triton_io.log_info(f"{args['model_name']}: tokenizer of {source.shown}")
 
     def execute(self, requests: list[Any]) -> list[Any]:
         responses = []

@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from engine.values import convert
+
 POLICIES = ("fcfs", "priority")
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 
@@ -114,7 +116,7 @@ class EngineConfig:
             if key not in owner:
                 raise ValueError(f"unknown engine argument {key!r}")
             section, f = owner[key]
-            value = _convert(key, raw, f)
+            value = convert(f"engine argument {key!r}", raw, str(f.type))
             (nested[section] if section else top)[key] = value
         try:
             return cls(scheduler=SchedulerConfig(**nested["scheduler"]),
@@ -126,31 +128,3 @@ class EngineConfig:
 def _positive(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def _convert(name: str, raw: Any, f: dataclasses.Field) -> Any:
-    kind = str(f.type)
-    if raw is None:
-        return None
-    if not isinstance(raw, str):
-        return raw
-    text = raw.strip()
-    try:
-        if kind.startswith("bool"):
-            low = text.lower()
-            if low in ("1", "true", "yes", "on"):
-                return True
-            if low in ("0", "false", "no", "off"):
-                return False
-            raise ValueError
-        if kind.startswith("int"):
-            if text.lower() in ("", "none", "null") and "None" in kind:
-                return None
-            return int(text)
-        if kind.startswith("float"):
-            return float(text)
-        if "None" in kind and text.lower() in ("", "none", "null"):
-            return None
-        return text
-    except ValueError:
-        raise ValueError(f"engine argument {name!r}: cannot parse {raw!r} as {kind}") from None

@@ -7,15 +7,14 @@ import time
 from dataclasses import dataclass
 from typing import Iterable
 
-import torch
 
 from engine.config import EngineConfig
 from engine.cpu_threads import configure_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import load_model
-from engine.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
-                            SamplingParams)
+from engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
+                            RequestStatus, SamplingParams)
 from engine.sampler import SamplingError
 from engine.scheduler import Scheduler, SchedulerOutput
 from kernels import cpu_features
@@ -47,10 +46,8 @@ class EngineStepError(RuntimeError):
 class _Tracked:
     request: Request
     prompt: str | None
-    detokenizer: IncrementalDetokenizer
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
-    num_sent_tokens: int = 0
 
 
 class LLMEngine:
@@ -61,7 +58,8 @@ class LLMEngine:
             raise ValueError("pass either an EngineConfig or engine arguments, not both")
         self._threads = configure_threads(config.num_threads, cpu_features.detect().num_cpus,
                                           config.torch_device)
-        loaded = load_model(config.model, config.dtype, device=config.torch_device)
+        loaded = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
+                            device=config.torch_device)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = self._resolve(config, loaded)
@@ -79,7 +77,6 @@ class LLMEngine:
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
                     "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
                     str(loaded.dtype).removeprefix("torch."), cache_cfg.num_kv_blocks,
@@ -138,23 +135,25 @@ class LLMEngine:
                              f"({self.config.max_logprobs}), got {params.logprobs}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be < vocab size {vocab}")
+        if any(t >= vocab for q in params.stop_token_sequences for t in q):
+            raise ValueError(f"SamplingParams.stop_token_sequences must be < vocab size {vocab}")
         request = Request(request_id, token_ids, params, priority=priority,
                           arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
-                          cache_salt=cache_salt)
+                          cache_salt=cache_salt,
+                          detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params))
         if params.max_tokens is None:
             request.max_tokens = max_model_len - len(token_ids)
         self.scheduler.add_request(request)
         want_logprobs = params.logprobs is not None
-        self._tracked[request_id] = _Tracked(
-            request, prompt_text, IncrementalDetokenizer(self.tokenizer, token_ids, params),
-            0.0 if want_logprobs else None, [] if want_logprobs else None)
+        self._tracked[request_id] = _Tracked(request, prompt_text, 0.0 if want_logprobs else None,
+                                             [] if want_logprobs else None)
         self.prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         aborted = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
-        return [self._finish_output(self._tracked.pop(r.request_id)) for r in aborted
+        return [self._output(self._tracked.pop(r.request_id)) for r in aborted
                 if r.request_id in self._tracked]
 
     def has_unfinished_requests(self) -> bool:
@@ -165,13 +164,15 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step and return an output for every request that got new
-        tokens or finished. Raises EngineStepError naming the requests it aborted: those
-        whose sampling failed on their own (the rest of the batch resamples next step),
-        or, when the model failed, every request of the step. The engine is then ready
-        for the next step."""
+        """Run one scheduler step and return an output for every request that has new
+        output to hand out or finished. Raises EngineStepError naming the requests it
+        aborted: those whose sampling failed on their own (the rest of the batch resamples
+        next step), or, when the model failed, every request of the step. The engine is
+        then ready for the next step."""
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled_requests:
+            if sched_out.finished_req_ids:
+                self.runner.execute(sched_out)  # only frees the runner's state for them
             return []
         if self._threads is not None:
             self._threads.adapt()
@@ -179,32 +180,20 @@ class LLMEngine:
             result = self.runner.execute(sched_out)
         except Exception as exc:
             raise self._fail_step(sched_out, exc) from exc
-        sampled = result.sampled_token_ids
-        num_before = {rid: self._tracked[rid].request.num_tokens for rid in sampled}
-        finished = self.scheduler.update_from_output(sched_out, sampled)
-        finished_ids = {r.request_id for r in finished}
+        updated = self.scheduler.update_from_output(sched_out, result.sampled_token_ids)
         outputs: list[RequestOutput] = []
-        for rid in sampled:
+        for request in updated:
+            rid = request.request_id
             tracked = self._tracked[rid]
-            request = tracked.request
-            new_ids = request.all_token_ids[num_before[rid]:]
-            if not new_ids:
-                continue
-            self.generation_tokens_total += len(new_ids)
             lp = result.logprobs.get(rid)
             if lp is not None and tracked.logprobs is not None:
                 tracked.cumulative_logprob += lp.sampled
-                tracked.logprobs.append({new_ids[0]: lp.sampled, **lp.top})
-            stop_str = tracked.detokenizer.update(new_ids)
-            if stop_str is not None and rid not in finished_ids:
-                self.scheduler.finish_with_reason(request, RequestStatus.FINISHED_STOPPED, stop_str)
-                finished_ids.add(rid)
-            elif stop_str is not None:
-                request.status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            if rid in finished_ids:
-                outputs.append(self._finish_output(self._tracked.pop(rid)))
-            else:
-                outputs.append(self._output(tracked, finished=False))
+                tracked.logprobs.append({request.all_token_ids[-1]: lp.sampled, **lp.top})
+            if request.is_finished:
+                del self._tracked[rid]
+            output = self._output(tracked)
+            if output.finished or output.outputs[0].delta_token_ids:
+                outputs.append(output)
         return outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> EngineStepError:
@@ -231,26 +220,25 @@ class LLMEngine:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self._tracked.pop(rid, None)
-            self.runner.free(rid)
 
-    def _output(self, tracked: _Tracked, finished: bool) -> RequestOutput:
+    def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request
+        finished = request.is_finished
         output_ids = request.output_token_ids
-        delta_ids = output_ids[tracked.num_sent_tokens:]
-        tracked.num_sent_tokens = len(output_ids)
+        delta_text, start, end = request.detokenizer.take_delta(len(output_ids), finished)
+        logprobs = tracked.logprobs
         completion = CompletionOutput(
-            index=0, text=tracked.detokenizer.output_text, token_ids=output_ids,
-            cumulative_logprob=tracked.cumulative_logprob, logprobs=tracked.logprobs,
-            finish_reason=request.finish_reason if finished else None,
-            stop_reason=request.stop_reason if finished else None,
-            delta_text=tracked.detokenizer.get_delta(finished), delta_token_ids=delta_ids)
+            index=0, text=request.detokenizer.output_text, token_ids=output_ids,
+            cumulative_logprob=tracked.cumulative_logprob, logprobs=logprobs,
+            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
+            finished_on_stop_token=request.finished_on_stop_token,
+            delta_text=delta_text, delta_token_ids=output_ids[start:end],
+            delta_logprobs=None if logprobs is None else logprobs[start:end])
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
                              [completion], finished,
-                             num_cached_tokens=max(request.num_cached_tokens, 0))
-
-    def _finish_output(self, tracked: _Tracked) -> RequestOutput:
-        self.runner.free(tracked.request.request_id)
-        return self._output(tracked, finished=True)
+                             num_cached_tokens=max(request.num_cached_tokens, 0),
+                             metrics=RequestMetrics(request.arrival_time,
+                                                    request.first_scheduled_time))
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()
@@ -260,7 +248,7 @@ class LLMEngine:
                            prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions_total=s.num_preemptions_total,
                            prompt_tokens_total=self.prompt_tokens_total,
-                           generation_tokens_total=self.generation_tokens_total)
+                           generation_tokens_total=s.generation_tokens_total)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

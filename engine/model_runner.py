@@ -47,12 +47,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        self.num_steps += 1
-        if self.num_steps == self.inject_failure_at_step:
-            raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
+        # First, as vLLM V1's runner: a finished id may come back as a new request now.
+        for request_id in out.finished_req_ids:
+            self.sampler.free(request_id)
         requests = out.scheduled_requests
         if not requests:
             return RunnerOutput({}, {})
+        self.num_steps += 1
+        if self.num_steps == self.inject_failure_at_step:
+            raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_reqs:
@@ -128,9 +131,6 @@ class ModelRunner:
         input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
         return input_ids, positions.to(device), meta, sample_rows.to(device), sample_reqs
 
-    def free(self, request_id: str) -> None:
-        self.sampler.free(request_id)
-
     def warm_up(self, max_num_tokens: int, max_num_seqs: int) -> None:
         """Run a small prefill and a full batch of decodes through `execute` once, before
         serving (as vLLM's dummy run): the first step of a process paid ~0.8 s of MKL and
@@ -151,5 +151,5 @@ class ModelRunner:
                 batch, {r.request_id: num_tokens for r in batch}, num_tokens * len(batch),
                 block_ids={r.request_id: list(range(-(-r.num_tokens // bs))) for r in batch}))
             for request in batch:
-                self.free(request.request_id)
+                self.sampler.free(request.request_id)
         self.num_steps = 0

@@ -45,6 +45,9 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    # Stop when the output ends with one of these id sequences (TensorRT-LLM's stop_words:
+    # matched as ids, no detokenization); the sequence stays in the output.
+    stop_token_sequences: list[list[int]] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
@@ -59,10 +62,16 @@ class SamplingParams:
                "must be a string or a list of strings", self.stop)
         _check(self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
                "stop_token_ids", "must be a list of integers", self.stop_token_ids)
+        _check(self.stop_token_sequences is None or (
+            isinstance(self.stop_token_sequences, (list, tuple))
+            and all(isinstance(q, (list, tuple)) and q for q in self.stop_token_sequences)),
+               "stop_token_sequences", "must be a list of non-empty lists of integers",
+               self.stop_token_sequences)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_sequences = [list(q) for q in self.stop_token_sequences or []]
         # -1 means "off" in vLLM for both.
         if self.top_k == -1:
             self.top_k = 0
@@ -86,7 +95,9 @@ class SamplingParams:
                "must be non-empty strings", self.stop)
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers", self.stop_token_ids)
-        check_stop_limits(self.stop, self.stop_token_ids)
+        _check(all(_is_int(t) and t >= 0 for q in self.stop_token_sequences for t in q),
+               "stop_token_sequences", "must hold non-negative integers", self.stop_token_sequences)
+        check_stop_limits(self.stop, self.stop_token_ids, self.stop_token_sequences)
         _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", "must be >= 0",
                self.min_tokens)
         _check(self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
@@ -101,10 +112,6 @@ class SamplingParams:
                "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean", getattr(self, name))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
 
     @property
     def has_penalties(self) -> bool:
@@ -139,18 +146,20 @@ def _short_repr(value: Any, limit: int = 100) -> str:
 
 
 class Request:
-    """One sequence's state; the scheduler is the only writer of its progress."""
+    """One sequence's state. The scheduler is the only writer of its progress and its
+    status; `engine/stop_checker.py` alone decides when it stops."""
 
     __slots__ = ("request_id", "prompt_token_ids", "sampling_params", "priority", "arrival_time",
-                 "eos_token_ids", "cache_salt", "all_token_ids", "num_prompt_tokens",
-                 "num_computed_tokens", "num_cached_tokens", "status", "num_preemptions",
-                 "stop_reason", "block_hashes", "max_tokens")
+                 "eos_token_ids", "stop_token_ids", "stop_sequences_by_last", "detokenizer",
+                 "cache_salt", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
+                 "num_cached_tokens", "status", "num_preemptions", "stop_reason",
+                 "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
                  arrival_time: float | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
-                 cache_salt: str | None = None) -> None:
+                 cache_salt: str | None = None, detokenizer: Any = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt must contain at least one token")
         self.request_id = request_id
@@ -162,6 +171,19 @@ class Request:
         self.eos_token_ids: tuple[int, ...] = (
             () if eos_token_id is None else (eos_token_id,) if isinstance(eos_token_id, int)
             else tuple(eos_token_id))
+        params = self.sampling_params
+        # Every single id that ends the request (the sampler masks them below min_tokens).
+        self.stop_token_ids = frozenset(params.stop_token_ids).union(
+            () if params.ignore_eos else self.eos_token_ids)
+        # Id sequences by their last id: a new token costs one dict look-up.
+        self.stop_sequences_by_last: dict[int, list[tuple[int, ...]]] | None = None
+        if params.stop_token_sequences:
+            self.stop_sequences_by_last = {}
+            for sequence in params.stop_token_sequences:
+                self.stop_sequences_by_last.setdefault(sequence[-1], []).append(tuple(sequence))
+        # engine.detokenizer.IncrementalDetokenizer when the caller wants text and stop
+        # strings; None for bare token streams (scheduler tests, warm-up).
+        self.detokenizer = detokenizer
         self.cache_salt = cache_salt
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
@@ -169,7 +191,10 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet looked up
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
-        self.stop_reason: int | str | None = None
+        self.stop_reason: int | str | list[int] | None = None
+        # Ended by an EOS or stop_token_ids entry: TensorRT-LLM leaves that id out of its output.
+        self.finished_on_stop_token = False
+        self.first_scheduled_time: float | None = None  # first admission: ends its queue time
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, chained
         self.max_tokens = self.sampling_params.max_tokens
 
@@ -193,9 +218,6 @@ class Request:
     def finish_reason(self) -> str | None:
         return _FINISH_REASONS.get(self.status)
 
-    def append_output_token(self, token_id: int) -> None:
-        self.all_token_ids.append(token_id)
-
     def __lt__(self, other: "Request") -> bool:
         # Heap order for the priority policy: lower value first, then earlier arrival.
         return (self.priority, self.arrival_time, self.request_id) < (
@@ -215,10 +237,17 @@ class CompletionOutput:
     # One dict per generated token: {token_id: logprob}, sampled token first.
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    # What is new since the previous output of this request (for streaming).
+    # vLLM's meaning: the stop string, the stop_token_ids entry (None for EOS), or here
+    # also the stop_token_sequences entry that ended the output.
+    stop_reason: int | str | list[int] | None = None
+    # Ended by an EOS / stop_token_ids id, the last of token_ids (TensorRT-LLM drops it).
+    finished_on_stop_token: bool = False
+    # What is new since the previous output of this request (for streaming): the tokens
+    # whose text is released (whole characters, no possible stop-string start), that
+    # text, and those tokens' logprobs. A finished output releases everything.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, float]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -232,4 +261,17 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
-    metrics: dict[str, float] | None = None
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() clock, as Request.arrival_time
+    first_scheduled_time: float | None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Arrival until first admission (vLLM's request_queue_time_seconds)."""
+        if self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_scheduled_time - self.arrival_time)

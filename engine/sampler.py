@@ -7,7 +7,7 @@ import torch
 
 from engine.request import Request
 from engine.sampling_metadata import PenaltyTensors, SamplerState, SamplingMetadata
-from kernels import cpu_native
+from kernels import dispatch
 
 _NEG_INF = float("-inf")
 
@@ -66,9 +66,7 @@ class Sampler:
     def _sample_batch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.argmax_only:
             # A fused bf16 argmax skips upcasting [N, vocab] logits (~3x faster on CPU).
-            sampled = cpu_native.argmax_rows(logits)
-            return SamplerOutput(logits.argmax(dim=-1) if sampled is None else sampled,
-                                 None, None, None)
+            return SamplerOutput(dispatch.argmax_rows(logits), None, None, None)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)

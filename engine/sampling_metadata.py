@@ -150,10 +150,7 @@ class SamplingMetadata:
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs or 0, p.logprobs)
             if p.min_tokens and req.num_output_tokens < p.min_tokens:
-                stop_ids = set(p.stop_token_ids)
-                if not p.ignore_eos:
-                    stop_ids.update(req.eos_token_ids)
-                for tok in stop_ids:
+                for tok in req.stop_token_ids:
                     if 0 <= tok < vocab_size:
                         mask_rows.append(row)
                         mask_ids.append(tok)

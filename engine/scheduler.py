@@ -2,27 +2,27 @@
 prefill and decode are the same thing (computed tokens catching up with tokens)."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.kv_cache import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_request_queue
+from engine.stop_checker import check_stop
 
 
 @dataclass(slots=True)
 class SchedulerOutput:
+    """What the runner needs for one step; nothing in it changes after schedule()."""
     # Batch order for the runner: running requests, then admissions in admission order.
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    new_req_ids: list[str] = field(default_factory=list)
-    resumed_req_ids: list[str] = field(default_factory=list)
-    running_req_ids: list[str] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    # Requests finished (stopped or aborted) since the previous schedule().
-    finished_req_ids: set[str] = field(default_factory=set)
+    # Each scheduled request's block table, copied: a free later in the step cannot touch it.
     block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Finished (stopped or aborted) since the previous schedule(): the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -34,6 +34,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions_total: int
+    generation_tokens_total: int
 
 
 class Scheduler:
@@ -52,6 +53,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        self.generation_tokens_total = 0
 
     # ---- requests in and out -------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -136,8 +138,6 @@ class Scheduler:
             token_budget -= num_new
             i += 1
 
-        new_reqs: list[Request] = []
-        resumed_reqs: list[Request] = []
         admitted: list[Request] = []
         # Admitting while preempting would only thrash: whoever was just evicted is
         # at the head of WAITING and cannot fit anyway.
@@ -155,8 +155,8 @@ class Scheduler:
                 waiting.pop()
                 if request.num_cached_tokens < 0:
                     request.num_cached_tokens = num_hit_tokens
+                    request.first_scheduled_time = time.monotonic()
                 kv.record_prefix_lookup(request, num_hit_tokens)
-                (resumed_reqs if request.status == RequestStatus.PREEMPTED else new_reqs).append(request)
                 admitted.append(request)
                 request.status = RequestStatus.RUNNING
                 request.num_computed_tokens = num_hit_tokens
@@ -167,20 +167,18 @@ class Scheduler:
         # Admission order matters: a later admission may hit prefix blocks that an
         # earlier one fills in this very step.
         scheduled = scheduled_running + admitted
-        block_ids = kv.req_to_block_ids
+        tables = kv.req_to_block_ids
+        block_ids = {}
         for request in scheduled:
             # V1 convention: progress counts what is scheduled, before it is computed.
             request.num_computed_tokens += num_scheduled[request.request_id]
+            block_ids[request.request_id] = tables[request.request_id].copy()
         out = SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
-            new_req_ids=[r.request_id for r in new_reqs],
-            resumed_req_ids=[r.request_id for r in resumed_reqs],
-            running_req_ids=[r.request_id for r in scheduled_running],
-            preempted_req_ids=[r.request_id for r in preempted],
-            finished_req_ids=self.finished_req_ids,
             block_ids=block_ids,
+            finished_req_ids=self.finished_req_ids,
         )
         self.finished_req_ids = set()
         return out
@@ -203,9 +201,10 @@ class Scheduler:
     # ---- results of a step ----------------------------------------------------
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            sampled_token_ids: dict[str, list[int]]) -> list[Request]:
-        """Append sampled tokens, apply stop rules and free finished requests. Tokens
-        after a stop in the same step are dropped. Returns the requests that finished."""
-        finished: list[Request] = []
+        """Append sampled tokens, finish the requests that stop (engine/stop_checker.py
+        decides) and free them. Tokens after a stop in the same step are dropped. Returns
+        the requests that got tokens, finished ones included."""
+        updated: list[Request] = []
         max_model_len = self.config.max_model_len
         for request in scheduler_output.scheduled_requests:
             if request.status != RequestStatus.RUNNING:
@@ -213,28 +212,19 @@ class Scheduler:
             new_ids = sampled_token_ids.get(request.request_id)
             if not new_ids:
                 continue
-            params = request.sampling_params
+            updated.append(request)
             for token_id in new_ids:
                 request.all_token_ids.append(token_id)
-                status = None
-                num_output = request.num_tokens - request.num_prompt_tokens
-                if num_output >= params.min_tokens:
-                    if token_id in request.eos_token_ids and not params.ignore_eos:
-                        status = RequestStatus.FINISHED_STOPPED
-                    elif token_id in params.stop_token_ids:
-                        status = RequestStatus.FINISHED_STOPPED
-                        request.stop_reason = token_id
-                if status is None and (request.num_tokens >= max_model_len or (
-                        request.max_tokens is not None and num_output >= request.max_tokens)):
-                    status = RequestStatus.FINISHED_LENGTH_CAPPED
-                if status is not None:
-                    request.status = status
+                self.generation_tokens_total += 1
+                stop = check_stop(request, token_id, max_model_len)
+                if stop is not None:
+                    request.status = stop.status
+                    request.stop_reason = stop.stop_reason
+                    request.finished_on_stop_token = stop.on_stop_token
+                    self.running.remove(request)
+                    self._free(request)
                     break
-            if request.status != RequestStatus.RUNNING:
-                self.running.remove(request)
-                self._free(request)
-                finished.append(request)
-        return finished
+        return updated
 
     def retry_sampling(self, requests: list[Request]) -> None:
         """A step computed these requests' tokens but sampled none: step back one token
@@ -246,15 +236,6 @@ class Scheduler:
                     and request.num_computed_tokens >= request.num_tokens):
                 request.num_computed_tokens = request.num_tokens - 1
 
-    def finish_with_reason(self, request: Request, status: RequestStatus,
-                           stop_reason: int | str | None = None) -> None:
-        """Finish a running request for a reason found outside the scheduler (a stop
-        string matched by the detokenizer)."""
-        if request.request_id not in self.requests:
-            return
-        self.finish_requests([request.request_id], status)
-        request.stop_reason = stop_reason
-
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
         return SchedulerStats(
@@ -262,4 +243,5 @@ class Scheduler:
             kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
-            num_preemptions_total=self.num_preemptions_total)
+            num_preemptions_total=self.num_preemptions_total,
+            generation_tokens_total=self.generation_tokens_total)

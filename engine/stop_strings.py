@@ -22,8 +22,11 @@ INVALID_ARG). Figures measured on the 2-core AVX2 AMD EPYC dev host, CPython 3.1
   ~1.2 us per character: 16-20 ms at this limit (up to ~45 ms with the host busy), a pause
   every stream shares; 200 x 1,000 chars took 0.23-0.5 s. 16,384 still fits 256 strings of
   64 characters or 16 of 1,024.
-- MAX_STOP_TOKEN_IDS = 256: the scheduler tests each sampled token against this list
-  (`in` on 256 ints: ~5.5 us) and the sampler masks all of them while min_tokens is unmet.
+- MAX_STOP_TOKEN_IDS = 256: the stop checker tests each sampled token against this set
+  and the sampler masks all of them while min_tokens is unmet.
+- MAX_STOP_TOKEN_SEQUENCES = 256 id sequences of at most MAX_STOP_SEQUENCE_IDS = 256 ids,
+  MAX_STOP_SEQUENCE_IDS_TOTAL = 4,096 ids in all (the token path's stop words): a new
+  token is compared with the sequences ending in it, at worst every id of every one.
 """
 from __future__ import annotations
 
@@ -35,9 +38,13 @@ MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_CHARS_TOTAL = 16384
 MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_TOKEN_SEQUENCES = 256
+MAX_STOP_SEQUENCE_IDS = 256
+MAX_STOP_SEQUENCE_IDS_TOTAL = 4096
 
 
-def check_stop_limits(stop: Sequence[str], stop_token_ids: Sequence[int]) -> None:
+def check_stop_limits(stop: Sequence[str], stop_token_ids: Sequence[int],
+                      stop_token_sequences: Sequence[Sequence[int]] = ()) -> None:
     """Raises ValueError naming the field when a request's stop lists exceed the limits."""
     if len(stop) > MAX_STOP_STRINGS:
         raise ValueError(f"SamplingParams.stop has {len(stop)} strings; at most "
@@ -53,6 +60,16 @@ def check_stop_limits(stop: Sequence[str], stop_token_ids: Sequence[int]) -> Non
     if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise ValueError(f"SamplingParams.stop_token_ids has {len(stop_token_ids)} ids; at most "
                          f"{MAX_STOP_TOKEN_IDS} are allowed")
+    sequences = stop_token_sequences
+    if len(sequences) > MAX_STOP_TOKEN_SEQUENCES:
+        raise ValueError(f"SamplingParams.stop_token_sequences has {len(sequences)} sequences; "
+                         f"at most {MAX_STOP_TOKEN_SEQUENCES} are allowed")
+    if any(len(q) > MAX_STOP_SEQUENCE_IDS for q in sequences):
+        raise ValueError(f"SamplingParams.stop_token_sequences has a sequence over "
+                         f"{MAX_STOP_SEQUENCE_IDS} ids")
+    if sum(len(q) for q in sequences) > MAX_STOP_SEQUENCE_IDS_TOTAL:
+        raise ValueError(f"SamplingParams.stop_token_sequences has over "
+                         f"{MAX_STOP_SEQUENCE_IDS_TOTAL} ids in all")
 
 
 class StopAutomaton:

@@ -1,8 +1,13 @@
-"""Paged KV-cache ops for the engine's models (contract: docs/CONTRACTS.md).
+"""Kernels for the engine's models and sampler (contract: docs/CONTRACTS.md).
 
-`reshape_and_cache` and `paged_attention` run the torch implementation on CPU tensors
-and the Triton kernels on CUDA tensors, with the same signature and semantics.
+Everything the engine runs goes through kernels.dispatch, re-exported here: paged
+attention and KV writes, add_rms_norm, silu_mul, rope and argmax_rows. Dispatch picks
+Triton on CUDA (where a kernel exists), the native C kernels on CPU (where they handle
+the case), and otherwise the torch implementations in kernels.reference, which define
+the semantics. cpu_features (feature detection) is the one other module the engine uses.
 """
-from kernels.dispatch import paged_attention, reshape_and_cache
+from kernels.dispatch import (add_rms_norm, argmax_rows, paged_attention, reshape_and_cache,
+                              rope, silu_mul)
 
-__all__ = ["paged_attention", "reshape_and_cache"]
+__all__ = ["add_rms_norm", "argmax_rows", "paged_attention", "reshape_and_cache", "rope",
+           "silu_mul"]

@@ -6,8 +6,9 @@ copy per layer per step, which made attention cost as much as all the matmuls at
 contexts of a few hundred tokens; the C kernel reads K/V in place through the block
 table. The element-wise kernels fuse op chains whose launches and memory passes cost
 more than their arithmetic at decode batch sizes. When no compiler is available, or a
-shape or dtype is outside what a kernel handles, callers fall back to torch (for
-attention: kernels/reference.py, which defines the semantics).
+shape or dtype is outside what a kernel handles, a function here returns None (False for
+KV writes) and kernels.dispatch, its only caller in the engine, runs the torch version in
+kernels/reference.py, which defines the semantics.
 """
 from __future__ import annotations
 

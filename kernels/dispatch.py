@@ -1,7 +1,14 @@
-"""The single entry point the model calls: torch on CPU, Triton on CUDA.
+"""The one place that picks a kernel: the engine calls these and nothing else in kernels/.
 
-The Triton module is imported only for CUDA tensors, so CPU deployments never
-need (or pay for importing) triton.
+Each op goes, by the device of its tensors:
+  CUDA -> the Triton kernel where one exists (paged attention, KV writes), else torch;
+  CPU  -> the native C kernel (cpu_native) when it handles the dtype and layout, else torch.
+The torch versions (kernels/reference.py) define every op's semantics. Adding a device or
+an ISA-specific kernel means one more branch here; the callers do not change.
+
+These run ~100 times per decode step, so each does one device test and one call: no
+allocation or feature detection of its own (cpu_native caches its library load). The
+Triton module is imported only for CUDA tensors, so CPU deployments never need triton.
 """
 from __future__ import annotations
 
@@ -40,8 +47,54 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
 
 
 def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    # The CPU prefill path stays torch (SDPA's fused kernel); only decode rows, and short
+    # chunks run as rows (reference.ROWS_MAX_WORK), take the C kernel.
     out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
     if out is None:
         out = reference.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          scale)
     return out
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += x in place (when x is given); returns rms_norm(residual) * weight."""
+    if not residual.is_cuda:
+        out = cpu_native.add_rms_norm(x, residual, weight, eps)
+        if out is not None:
+            return out
+    return reference.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    if not gate_up.is_cuda:
+        out = cpu_native.silu_mul(gate_up)
+        if out is not None:
+            return out
+    return reference.silu_mul(gate_up)
+
+
+def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int,
+         positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+         cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of the first num_heads heads of each row of a 2-D buffer (rows may
+    be longer: the fused qkv layout) -> contiguous [rows, num_heads, head_dim].
+
+    The native kernel gathers from the [max_pos, rot_half] tables by int64 positions;
+    the torch path takes the rows already gathered (cos/sin [rows, 1, rot_half]), which
+    the model looks up once per forward for all its layers."""
+    if not qkv.is_cuda:
+        out = cpu_native.rope(qkv, num_heads, head_dim, rot_half, positions, cos_table, sin_table)
+        if out is not None:
+            return out
+    return reference.rope(qkv, num_heads, head_dim, cos, sin)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first maximum, int64 (a bf16 CPU kernel skips torch's upcast)."""
+    if not x.is_cuda:
+        out = cpu_native.argmax_rows(x)
+        if out is not None:
+            return out
+    return reference.argmax_rows(x)

@@ -1,7 +1,10 @@
-"""Torch implementations of the paged KV-cache ops.
+"""Torch implementations of every kernel kernels.dispatch offers; they define the semantics.
 
-This is the engine's CPU production path (every layer, every step) and the ground
-truth the Triton kernels are tested against. Layout and semantics: docs/CONTRACTS.md.
+The native CPU kernels (cpu_native) and the Triton kernels are tested against these.
+They run whenever no faster kernel handles a case: the paged ops for CPU dtypes and
+layouts the C kernels decline, the element-wise ops (add_rms_norm, silu_mul, rope,
+argmax_rows) for fp32 CPU and for CUDA, which has no Triton kernel for them. Paged
+layout and semantics: docs/CONTRACTS.md.
 
 Decode rows (one query token per sequence) are handled for the whole batch at once;
 each prefill chunk (query length > 1) goes through scaled_dot_product_attention with
@@ -182,3 +185,47 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
         allowed = torch.arange(seq_len, device=query.device)[None, :] <= positions[:, None]
         out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=allowed, scale=scale)
     return out[0].transpose(0, 1)
+
+
+def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """residual += x in place (when x is given); returns rms_norm(residual) * weight.
+
+    Normalises in fp32 and rounds to the model dtype before the weight multiply, the
+    order HF uses, so bf16 runs track HF's rounding."""
+    if x is not None:
+        residual.add_(x)
+    return F.rms_norm(residual.float(), weight.shape, None, eps).to(residual.dtype) * weight
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+    half = gate_up.shape[-1] // 2
+    act = F.silu(gate_up[..., :half])
+    return act.mul_(gate_up[..., half:])
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX-style (rotate-half) RoPE of x [T, heads, head_dim] (may be a strided view)
+    with per-row cos/sin [T, 1, rot_dim/2]; dims past rot_dim pass through (partial
+    rotary). Returns a new contiguous tensor."""
+    half = cos.shape[-1]
+    rot_dim = 2 * half
+    x1, x2 = x[..., :half], x[..., half:rot_dim]
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
+    if rot_dim == x.shape[-1]:
+        return torch.cat(rotated, dim=-1)
+    return torch.cat((*rotated, x[..., rot_dim:]), dim=-1)
+
+
+def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
+         sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the first num_heads heads of each row of a 2-D buffer (rows may be longer:
+    the fused qkv layout) -> contiguous [rows, num_heads, head_dim]."""
+    rows = qkv.shape[0]
+    return rotate_half(qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim), cos, sin)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Index of each row's first maximum, int64."""
+    return x.argmax(dim=-1)

@@ -73,8 +73,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     num_heads, head_dim = query.shape[1], query.shape[2]
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
+    # q @ k^T contracts over the padded head_dim, and tl.dot on a GPU needs K >= 16; the
+    # padding dims are masked off, so head_dim 8 (or 4) just pays for 16.
     shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, GROUP=group,
-                 HEAD_DIM=head_dim, DIM_P2=triton.next_power_of_2(head_dim),
+                 HEAD_DIM=head_dim, DIM_P2=max(16, triton.next_power_of_2(head_dim)),
                  BLOCK_SIZE=block_size, BLOCK_N=tiles.block_n,
                  FP32_DOT=_interpreted() or query.dtype == torch.float32)
     common = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)

@@ -6,7 +6,9 @@
 
 Ports and host may also come from TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT / TRITON_HOST. --model and --param override the engine models'
-config.pbtxt parameters in a copy of the repository under .triton/.
+(llm, tensorrt_llm) config.pbtxt parameters in a copy of the repository under .triton/;
+--model is the one place to set the model: preprocessing and postprocessing take
+their tokenizer from tensorrt_llm's config (backend/tokenizer_source.py).
 
 SIGTERM or SIGINT (Ctrl-C) stops tritonserver gracefully: it refuses new requests, lets
 in-flight ones finish, unloads the models, and serve exits with status 0 as soon as it
@@ -32,7 +34,7 @@ from backend.repository_layout import copy_repository  # noqa: E402
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer, prepare_server_dir  # noqa: E402
 
 ENGINE_MODELS = ("llm", "tensorrt_llm")
-TOKENIZER_MODELS = ("preprocessing", "postprocessing")
+OVERRIDES_DIR = REPO_ROOT / ".triton" / "model_repository"
 
 
 def _key_value(text: str) -> tuple[str, str]:
@@ -50,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--grpc-port", type=int, default=int(env("TRITON_GRPC_PORT", "8001")))
     p.add_argument("--metrics-port", type=int, default=int(env("TRITON_METRICS_PORT", "8002")))
     p.add_argument("--model-repository", type=Path, default=REPO_ROOT / "model_repository")
-    p.add_argument("--model", help="HF folder or .gguf for the engine and tokenizer models "
+    p.add_argument("--model", help="HF folder or .gguf for the engine models, whose tokenizer "
+                                   "preprocessing/postprocessing follow "
                                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="engine parameter for the engine models, e.g. max_num_seqs=32")
@@ -63,19 +66,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def repository_for(args: argparse.Namespace) -> Path:
-    """The repository as given, or a copy with the requested overrides."""
+def repository_for(args: argparse.Namespace, target: Path = OVERRIDES_DIR) -> Path:
+    """The repository as given, or a copy at `target` with the requested overrides."""
     if not args.model and not args.param:
         return args.model_repository
     engine_params = dict(args.param)
     if args.model:
+        # Absolute: tritonserver runs in .triton/server, not the caller's directory.
         engine_params["model"] = str(Path(args.model).resolve())
-    params = {name: engine_params for name in ENGINE_MODELS}
-    if args.model:
-        params.update({name: {"tokenizer": str(Path(args.model).resolve())} for name in TOKENIZER_MODELS})
-    target = REPO_ROOT / ".triton" / "model_repository"
     shutil.rmtree(target, ignore_errors=True)
-    return copy_repository(args.model_repository, target, params=params)
+    return copy_repository(args.model_repository, target,
+                           params={name: engine_params for name in ENGINE_MODELS})
 
 
 def check_libpython() -> None:
@@ -193,11 +194,13 @@ def main(argv: list[str] | None = None) -> int:
     signals = StopSignals()
     signals.install()
     prepare_server_dir()
-    if not args.model:
-        # Convert the embedded GGUF once here; otherwise every model process would
-        # convert it concurrently on first start.
-        from engine.models.gguf_cache import default_model_dir
-        default_model_dir()
+    # Convert a GGUF (the embedded default included) once here, otherwise every model
+    # process converts it at once on first start; a bad --model fails before the server.
+    from engine.models import resolve_model_dir
+    try:
+        resolve_model_dir(args.model)
+    except (OSError, ValueError) as exc:
+        sys.exit(f"serve: {exc}")
     repository = repository_for(args)
     if signals.stopping:
         return 0

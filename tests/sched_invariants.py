@@ -2,12 +2,40 @@
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from engine.request import RequestStatus
 from engine.scheduler import Scheduler, SchedulerOutput
 
 
-def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
+@dataclass
+class StepIds:
+    """Who a schedule() call admitted, resumed, kept and preempted, read off the state
+    before and after it (the scheduler's output carries only what the runner needs)."""
+    new: list[str]
+    resumed: list[str]
+    running: list[str]
+    preempted: list[str]
+
+
+def schedule(scheduler: Scheduler) -> tuple[SchedulerOutput, StepIds]:
+    """schedule() and the ids of what it did, with the step invariants checked."""
+    status_before = {rid: r.status for rid, r in scheduler.requests.items()}
+    running_before = [r.request_id for r in scheduler.running]
+    out = scheduler.schedule()
+    scheduled = [r.request_id for r in out.scheduled_requests]
+    preempted = [rid for rid in running_before
+                 if scheduler.requests[rid].status == RequestStatus.PREEMPTED]
+    ids = StepIds(
+        new=[rid for rid in scheduled if status_before[rid] == RequestStatus.WAITING],
+        resumed=[rid for rid in scheduled if status_before[rid] == RequestStatus.PREEMPTED],
+        running=[rid for rid in scheduled if status_before[rid] == RequestStatus.RUNNING],
+        preempted=preempted)
+    check_step(scheduler, out, ids)
+    return out, ids
+
+
+def check_step(scheduler: Scheduler, out: SchedulerOutput, ids: StepIds | None = None) -> None:
     cfg = scheduler.config
     assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
     assert out.total_num_scheduled_tokens <= cfg.max_num_batched_tokens
@@ -15,8 +43,13 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     assert len(scheduler.running) <= cfg.max_num_seqs
     if cfg.long_prefill_token_threshold > 0:
         assert max(out.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
-    if out.preempted_req_ids:
-        assert not out.new_req_ids and not out.resumed_req_ids
+    if ids is not None and ids.preempted:
+        assert not ids.new and not ids.resumed, "admitted while preempting"
+    for request in out.scheduled_requests:
+        # A copy of the block table, not the KV manager's own list.
+        table = out.block_ids[request.request_id]
+        assert table == scheduler.kv_cache_manager.req_to_block_ids[request.request_id]
+        assert table is not scheduler.kv_cache_manager.req_to_block_ids[request.request_id]
     assert all(n > 0 for n in out.num_scheduled_tokens.values())
     check_state(scheduler)
 

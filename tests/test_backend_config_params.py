@@ -38,7 +38,8 @@ def test_admission_and_health_options():
 
 @pytest.mark.parametrize("key,value", [("MAX_QUEUE_LEN", "-1"), ("MAX_QUEUE_LEN", "many"),
                                        ("ENABLE_VLLM_HEALTH_CHECK", "sometimes"),
-                                       ("DRAIN_TIMEOUT_S", "nan")])
+                                       ("DRAIN_TIMEOUT_S", "nan"), ("DRAIN_TIMEOUT_S", "inf"),
+                                       ("DRAIN_TIMEOUT_S", "-0.5"), ("MAX_QUEUE_LEN", "1.5")])
 def test_bad_backend_option_is_named(key, value):
     with pytest.raises(ValueError, match=key):
         split_parameters({key: value})

@@ -10,6 +10,7 @@ from backend.llm_responses import LLMResponseBuilder
 from backend.request_parsing import InvalidRequest, LLMRequest, ReturnFlags
 from backend.token_request_parsing import parse_token_request, words_from_trtllm_list
 from backend.token_responses import TokenResponseBuilder, decode_after, decode_ids
+from engine.detokenizer import IncrementalDetokenizer
 from engine.request import CompletionOutput, RequestOutput, SamplingParams
 
 
@@ -34,22 +35,21 @@ def token_inputs(**extra):
 
 
 def test_trtllm_defaults_are_greedy_and_sampling_needs_top_k_or_top_p():
-    r = parse_token_request(token_inputs(temperature=np.float32(0.8)), decode=lambda ids: "")
+    r = parse_token_request(token_inputs(temperature=np.float32(0.8)))
     assert r.params.temperature == 0.0 and r.prompt_token_ids == [5, 6, 7] and r.params.max_tokens == 8
-    r = parse_token_request(token_inputs(runtime_top_k=np.int32(40), temperature=np.float32(0.8)),
-                            decode=lambda ids: "")
+    r = parse_token_request(token_inputs(runtime_top_k=np.int32(40), temperature=np.float32(0.8)))
     assert r.params.temperature == pytest.approx(0.8) and r.params.top_k == 40
 
 
 def test_token_request_errors():
     with pytest.raises(InvalidRequest, match="beam_width"):
-        parse_token_request(token_inputs(beam_width=np.int32(4)), decode=lambda ids: "")
+        parse_token_request(token_inputs(beam_width=np.int32(4)))
     bad = token_inputs()
     bad["bad_words_list"] = np.array([[[9], [1]]], dtype=np.int32)
     with pytest.raises(InvalidRequest, match="bad_words"):
-        parse_token_request(bad, decode=lambda ids: "")
+        parse_token_request(bad)
     with pytest.raises(InvalidRequest, match="batch size"):
-        parse_token_request({**token_inputs(), "input_ids": np.zeros((2, 3), np.int32)}, decode=lambda ids: "")
+        parse_token_request({**token_inputs(), "input_ids": np.zeros((2, 3), np.int32)})
 
 
 def test_trtllm_word_lists():
@@ -58,13 +58,16 @@ def test_trtllm_word_lists():
     assert words_from_trtllm_list("stop", np.array([[[0], [-1]]], dtype=np.int32)) == []
 
 
-def output(prompt_ids, token_ids, delta, finished, reason=None, stop_reason=None):
+def output(prompt_ids, token_ids, delta, finished, reason=None, stop_reason=None,
+           on_stop_token=False):
     return RequestOutput("r", None, prompt_ids, [CompletionOutput(
         0, "", list(token_ids), finish_reason=reason, stop_reason=stop_reason,
-        delta_token_ids=list(delta))], finished)
+        finished_on_stop_token=on_stop_token, delta_token_ids=list(delta))], finished)
 
 
 def test_streamed_multibyte_text_survives_stateless_decoding(tokenizer):
+    # The engine's detokenizer releases the deltas; postprocessing decodes each response
+    # on its own after its prefix_ids.
     decode = decode_with(tokenizer)
     prompt = tokenizer.encode("Say it in Japanese:")
     text = " 日本の首都は東京です。🙂 naïve café"
@@ -72,45 +75,65 @@ def test_streamed_multibyte_text_survives_stateless_decoding(tokenizer):
     assert any(decode([t]).endswith("\ufffd") for t in ids)  # really has split characters
     request = parse_token_request({"input_ids": np.array([prompt], dtype=np.int32),
                                    "request_output_len": np.array([[len(ids)]], dtype=np.int32),
-                                   "streaming": np.array([[True]])}, decode)
-    builder = TokenResponseBuilder(request, decode)
-    pieces = []
+                                   "streaming": np.array([[True]])})
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt, request.params)
+    builder = TokenResponseBuilder(request)
+    pieces, num_responses = [], 0
     for i, token in enumerate(ids):
         last = i == len(ids) - 1
-        sent = builder.build(output(prompt, ids[:i + 1], [token], last, "length" if last else None))
+        detokenizer.update([token])
+        _, start, end = detokenizer.take_delta(i + 1, last)
+        sent = builder.build(output(prompt, ids[:i + 1], ids[start:end], last,
+                                    "length" if last else None))
         if sent is not None:
+            num_responses += 1
             new = sent["output_ids"].reshape(-1).tolist()
             prefix = sent["prefix_ids"].reshape(-1).tolist()
             pieces.append(decode_after(decode, prefix, new))
+    assert num_responses < len(ids)  # some tokens were held until their character completed
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == decode(prompt + ids)[len(decode(prompt)):]
 
 
-def test_end_token_is_dropped_but_stop_string_tokens_kept():
-    request = parse_token_request(token_inputs(), decode=lambda ids: "")
-    out = TokenResponseBuilder(request, lambda ids: "x").build(output([5, 6, 7], [9, 2], [9, 2], True, "stop"))
+def test_end_token_is_dropped_but_stop_word_tokens_kept():
+    request = parse_token_request(token_inputs())
+    out = TokenResponseBuilder(request).build(
+        output([5, 6, 7], [9, 2], [9, 2], True, "stop", on_stop_token=True))
     assert out["output_ids"].reshape(-1).tolist() == [5, 6, 7, 9]  # input included by default
-    out = TokenResponseBuilder(request, lambda ids: "x").build(
-        output([5, 6, 7], [9, 4], [9, 4], True, "stop", stop_reason="ab"))
+    out = TokenResponseBuilder(request).build(
+        output([5, 6, 7], [9, 4], [9, 4], True, "stop", stop_reason=[9, 4]))
     assert out["output_ids"].reshape(-1).tolist()[-2:] == [9, 4]
 
 
-def llm_output(text, delta_text, token_ids, delta_ids, finished, reason=None, logprobs=None):
+def test_stop_words_become_id_sequences():
+    inputs = token_inputs()
+    inputs["stop_words_list"] = np.array([[[1, 2, 3, 4], [2, 4, -1, -1]]], dtype=np.int32)
+    request = parse_token_request(inputs)
+    assert request.params.stop_token_sequences == [[1, 2], [3, 4]] and not request.params.stop
+
+
+def llm_output(text, delta_text, token_ids, delta_ids, finished, reason=None, logprobs=None,
+               delta_logprobs=None):
     return RequestOutput("r", "Hi", [1, 2], [CompletionOutput(
         0, text, token_ids, cumulative_logprob=-1.5, logprobs=logprobs, finish_reason=reason,
-        delta_text=delta_text, delta_token_ids=delta_ids)], finished)
+        delta_text=delta_text, delta_token_ids=delta_ids, delta_logprobs=delta_logprobs)],
+        finished)
 
 
-def test_llm_stream_responses_count_held_back_tokens():
+def test_llm_stream_responses_carry_the_engines_deltas():
     request = LLMRequest("Hi", SamplingParams(), True, True, ReturnFlags(num_output_tokens=True,
                                                                         finish_reason=True, logprobs=True))
     builder = LLMResponseBuilder(request)
     lp = [{10: -0.5}, {11: -0.25}, {12: -1.0}]
-    assert builder.build(llm_output("", "", [10], [10], False, logprobs=lp[:1])) is None  # no text yet
-    first = builder.build(llm_output("ab", "ab", [10, 11], [11], False, logprobs=lp[:2]))
+    # The engine held token 10 back (mid-character): no tokens, no text, no response.
+    assert builder.build(llm_output("", "", [10], [], False, logprobs=lp[:1],
+                                    delta_logprobs=[])) is None
+    first = builder.build(llm_output("ab", "ab", [10, 11], [10, 11], False, logprobs=lp[:2],
+                                     delta_logprobs=lp[:2]))
     assert int(first["num_output_tokens"][0]) == 2 and first["finish_reason"][0] == b"None"
     assert len(json.loads(first["logprobs"][0])) == 2
-    last = builder.build(llm_output("ab", "", [10, 11, 12], [12], True, "stop", logprobs=lp))
+    last = builder.build(llm_output("ab", "", [10, 11, 12], [12], True, "stop", logprobs=lp,
+                                    delta_logprobs=lp[2:]))
     assert last["text_output"][0] == b"" and int(last["num_output_tokens"][0]) == 1
     assert last["finish_reason"][0] == b"stop" and json.loads(last["logprobs"][0]) == [{"12": {"logprob": -1.0}}]
 
@@ -125,5 +148,5 @@ def test_llm_non_streaming_prepends_prompt_unless_excluded():
 
 
 def test_token_request_priority_input():
-    assert parse_token_request(token_inputs(), decode=lambda ids: "").priority == 0
-    assert parse_token_request(token_inputs(priority=np.int32(-2)), decode=lambda ids: "").priority == -2
+    assert parse_token_request(token_inputs()).priority == 0
+    assert parse_token_request(token_inputs(priority=np.int32(-2))).priority == -2

@@ -1,9 +1,7 @@
-"""Incremental detokenizer on the real SmolLM2 tokenizer (text equality, UTF-8, stop strings), and
-the stop-string matcher against a naive reference on a one-token-per-character tokenizer."""
+"""Incremental detokenizer on the real SmolLM2 tokenizer: text equality, UTF-8, stop strings,
+and the released (tokens, text) deltas. The matcher itself: tests/test_stop_strings.py."""
 import importlib.util
 import os
-import random
-from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -11,8 +9,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.detokenizer import IncrementalDetokenizer, SpaceCleanup
 from engine.request import SamplingParams
-from engine.stop_strings import (MAX_STOP_CHARS_TOTAL, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                 MAX_STOP_TOKEN_IDS, StopAutomaton, StopMatcher, check_stop_limits)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,17 +36,39 @@ def encode(tok, text):
 
 
 def stream(tok, ids, params, prompt="User: say something.\nAssistant:", chunks=None):
-    """Feeds ids in chunks, collecting (deltas, stop string, detokenizer)."""
+    """Feeds ids in chunks, collecting (deltas, stop string, detokenizer). Checks on the
+    way that each released token range is contiguous and decodes, after the tokens
+    released before it, to exactly its text (what the token path's postprocessing does)."""
     detok = IncrementalDetokenizer(tok, encode(tok, prompt), params)
     deltas, stop, i = [], None, 0
+
+    def take(finished):
+        text, start, end = detok.take_delta(i, finished)
+        assert start == released[0] and start <= end <= i
+        if not finished and stop is None and not params.stop:
+            assert text == decode_after(tok, ids[:start], ids[start:end], params), (start, end)
+        released[0] = end
+        deltas.append(text)
+
+    released = [0]
     for size in chunks or [1] * len(ids):
         stop = detok.update(ids[i:i + size])
-        i += size
-        deltas.append(detok.get_delta(finished=stop is not None))
+        i = min(i + size, len(ids))
+        take(finished=stop is not None)
         if stop is not None:
             return deltas, stop, detok
-    deltas.append(detok.get_delta(finished=True))
+    take(finished=True)
+    assert released[0] == len(ids)
     return deltas, stop, detok
+
+
+def decode_after(tok, before, ids, params):
+    kwargs = dict(skip_special_tokens=params.skip_special_tokens)
+    return tok.decode(before + ids, **kwargs)[len(tok.decode(before, **kwargs)):]
+
+
+def delta_text(detok, num_fed, finished=False):
+    return detok.take_delta(num_fed, finished)[0]
 
 
 def test_multibyte_text_streams_without_replacement_chars(tokenizer):
@@ -68,17 +86,17 @@ def test_incomplete_character_waits_for_next_token(tokenizer):
     assert len(ids) >= 2
     detok = IncrementalDetokenizer(tokenizer, encode(tokenizer, "x"), SamplingParams())
     detok.update(ids[:-1])
-    assert detok.get_delta(finished=False) == ""
+    assert detok.take_delta(len(ids) - 1, False) == ("", 0, 0)
     detok.update(ids[-1:])
-    assert detok.get_delta(finished=False) == " 😀"
+    assert detok.take_delta(len(ids), False) == (" 😀", 0, len(ids))
 
 
 def test_trailing_incomplete_bytes_are_released_when_finished(tokenizer):
     ids = encode(tokenizer, "a 😀")[:-1]
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams())
     detok.update(ids)
-    held = detok.get_delta(finished=False)
-    assert held + detok.get_delta(finished=True) == tokenizer.decode(ids)
+    held = delta_text(detok, len(ids))
+    assert held + delta_text(detok, len(ids), finished=True) == tokenizer.decode(ids)
 
 
 @pytest.mark.parametrize("skip", [True, False])
@@ -167,20 +185,25 @@ def test_partial_stop_string_is_held_back_then_released_unmatched(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], params)
     ids = encode(tokenizer, "Result: 5 <EN")
     streamed = ""
-    for t in ids:
+    for n, t in enumerate(ids, 1):
         assert detok.update([t]) is None
-        streamed += detok.get_delta(finished=False)
-    assert streamed == "Result: 5 "
-    assert detok.get_delta(finished=True) == "<EN"
+        streamed += delta_text(detok, n)
+    # Released up to the last token boundary before the held-back "<EN".
+    assert "Result: 5 <EN".startswith(streamed) and len(streamed) <= len("Result: 5 ")
+    assert streamed.startswith("Result: 5")
+    assert streamed + delta_text(detok, len(ids), finished=True) == "Result: 5 <EN"
     assert detok.output_text == "Result: 5 <EN"
 
 
 def test_partial_stop_string_released_when_text_diverges(tokenizer):
     detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["<END>"]))
-    detok.update(encode(tokenizer, "a <E"))
-    assert detok.get_delta(finished=False) == "a "
-    detok.update(encode(tokenizer, "X done"))
-    assert detok.get_delta(finished=False) == "<EX done"
+    ids = encode(tokenizer, "a <E") + encode(tokenizer, "X done")
+    streamed = []
+    for n, t in enumerate(ids, 1):
+        detok.update([t])
+        streamed.append(delta_text(detok, n))
+    assert streamed[0] == "a" and "".join(streamed) == "a <EX done"
+    assert "".join(streamed[:3]) == "a"  # held while "<E" may begin "<END>"
 
 
 def test_stop_string_spanning_cleanup_space(tokenizer):
@@ -190,197 +213,3 @@ def test_stop_string_spanning_cleanup_space(tokenizer):
     deltas, got, detok = stream(tokenizer, ids, SamplingParams(stop=["there."]))
     assert got == "there."
     assert "".join(deltas) == detok.output_text == "Hi "
-
-
-# --- stop strings: Aho-Corasick matcher against a naive reference -------------------------
-
-class CharTokenizer:
-    """One token per character (id = code point): stop-string tests choose every split."""
-
-    clean_up_tokenization_spaces = False
-
-    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
-        return "".join(map(chr, ids))
-
-
-def reference_first_stop(text, stops):
-    """(start, end, stop) of the stop string that ends first in text, longest at that end."""
-    for end in range(1, len(text) + 1):
-        ending = [s for s in stops if text[:end].endswith(s)]
-        if ending:
-            stop = max(ending, key=len)
-            return end - len(stop), end, stop
-    return None
-
-
-def reference_partial_len(text, stops):
-    """Longest tail of text that is a proper prefix of a stop string (the old scan)."""
-    return max((n for s in stops for n in range(1, min(len(s) - 1, len(text)) + 1)
-                if text.endswith(s[:n])), default=0)
-
-
-def split(data, text):
-    cuts = sorted(data.draw(st.sets(st.integers(1, max(len(text) - 1, 1)), max_size=len(text))))
-    bounds = [0, *[c for c in cuts if c < len(text)], len(text)]
-    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
-
-
-# A small alphabet makes overlapping and nested stop strings (and so failure links) common.
-stop_text = st.text(alphabet="ab c", min_size=1, max_size=6)
-
-
-def text_near(data, stops, max_pieces):
-    """Text built from prefixes of the stops and stray characters: partial matches that
-    break off and resume are what exercise the failure links."""
-    prefixes = sorted({s[:n] for s in stops for n in range(1, len(s) + 1)})
-    piece = st.one_of(st.sampled_from(prefixes), st.text(alphabet="ab cd", max_size=2))
-    return "".join(data.draw(st.lists(piece, max_size=max_pieces)))
-
-
-@settings(max_examples=400, deadline=None)
-@given(data=st.data(), stops=st.lists(stop_text, min_size=1, max_size=8))
-def test_property_matcher_equals_naive_reference(data, stops):
-    text = text_near(data, stops, 12)
-    matcher, fed = StopMatcher(stops), ""
-    for piece in split(data, text):
-        match = matcher.feed(fed + piece, len(fed))
-        fed += piece
-        expected = reference_first_stop(fed, stops)
-        if match is not None:
-            start, end = match
-            assert expected == (start, end, fed[start:end])
-            assert end > len(fed) - len(piece)  # it ends in the new piece: nothing was missed
-            return
-        assert expected is None
-        assert matcher.partial_len == reference_partial_len(fed, stops)
-
-
-@settings(max_examples=200, deadline=None)
-@given(data=st.data(), stops=st.lists(stop_text, min_size=1, max_size=6), include=st.booleans())
-def test_property_stream_holds_back_exactly_the_partial_stop(data, stops, include):
-    text = text_near(data, stops, 8)
-    params = SamplingParams(stop=stops, include_stop_str_in_output=include)
-    detok = IncrementalDetokenizer(CharTokenizer(), [], params)
-    expected = reference_first_stop(text, stops)
-    final = text if expected is None else text[:expected[1] if include else expected[0]]
-    streamed, fed, stop = "", "", None
-    for piece in split(data, text):
-        stop = detok.update([ord(c) for c in piece])
-        fed += piece
-        streamed += detok.get_delta(finished=stop is not None)
-        if stop is not None:
-            break
-        # Everything but the tail that could still begin a stop string is out, no more.
-        assert streamed == fed[:len(fed) - reference_partial_len(fed, stops)]
-    if stop is None:
-        streamed += detok.get_delta(finished=True)
-    assert stop == (expected and expected[2])
-    assert streamed == detok.output_text == final
-
-
-@pytest.mark.parametrize("stops, text", [
-    (["aab"], "aaab"),  # a partial match breaks off and a shorter one carries on
-    (["a a", "  "], "a  "),  # the failure link crosses to another stop string
-    # Building "ababc" needs two failure links ("ab", then "b") to reach the node "bc".
-    (["ababca", "bc"], "ababc"),
-    (["ababca", "bcd"], "ababcd"),  # the same link, then a further edge from it
-])
-def test_matcher_follows_failure_chains(stops, text):
-    for pieces in ([text], list(text)):
-        matcher, fed, match = StopMatcher(stops), "", None
-        for piece in pieces:
-            fed += piece
-            match = match or matcher.feed(fed, len(fed) - len(piece))
-        assert match == reference_first_stop(text, stops)[:2]
-
-
-def test_stop_ending_first_wins_however_the_text_is_split():
-    stops = ["Human:", "man"]
-    for pieces in (["Human:"], ["Hu", "man", ":"], list("Human:")):
-        detok = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=stops))
-        got = [detok.update([ord(c) for c in p]) for p in pieces]
-        assert "man" in got and detok.output_text == "Hu"
-
-
-def test_longest_of_stops_ending_together_is_reported():
-    params = SamplingParams(stop=["n:", "Human:"], include_stop_str_in_output=False)
-    detok = IncrementalDetokenizer(CharTokenizer(), [], params)
-    assert detok.update([ord(c) for c in "Hi Human: x"]) == "Human:"
-    assert detok.output_text == "Hi "
-
-
-class CountingArray(array):
-    """An automaton array that counts reads: the matcher's work, without a clock."""
-
-    reads = 0
-
-    def __getitem__(self, index):
-        type(self).reads += 1
-        return super().__getitem__(index)
-
-
-def test_matcher_work_is_bounded_by_new_text_not_by_the_stops():
-    rng = random.Random(0)
-    # The issue's case: 200 stops of 1,000 characters, 4,000 characters of output.
-    stops = ["".join(rng.choice("abc ") for _ in range(1000)) for _ in range(200)]
-    automaton = StopAutomaton(stops)
-    automaton.fail = CountingArray("i", automaton.fail)
-    CountingArray.reads = 0
-    matcher = StopMatcher(["unused"])  # cheap to build; its automaton is swapped for ours
-    matcher.automaton = automaton
-    # Output that keeps entering long partial matches and leaving them: the costly case.
-    text = ""
-    while len(text) < 4000:
-        text += rng.choice(stops)[:rng.randint(1, 300)] + "d"
-    text = text[:4000]
-    fed, fail_reads_before = 0, 0
-    while fed < len(text):
-        depth_before, new = matcher.partial_len, rng.randint(1, 8)
-        assert matcher.feed(text[:fed + new], fed) is None
-        fed = min(fed + new, len(text))
-        # Each failure link lowers the depth, each character raises it by at most one.
-        assert CountingArray.reads - fail_reads_before <= depth_before + new
-        fail_reads_before = CountingArray.reads
-    assert matcher.partial_len == reference_partial_len(text, stops)
-    # Over the stream: amortized O(1) per character (and the text did take failure links).
-    assert 0 < CountingArray.reads <= len(text)
-
-
-class RecordingMatcher:
-    """A StopMatcher that records the span of text each feed was asked to cover."""
-
-    def __init__(self, inner):
-        self.inner, self.spans = inner, []
-
-    @property
-    def partial_len(self):
-        return self.inner.partial_len
-
-    def feed(self, text, start):
-        self.spans.append((start, len(text)))
-        return self.inner.feed(text, start)
-
-
-def test_detokenizer_feeds_each_character_to_the_matcher_once():
-    detok = IncrementalDetokenizer(CharTokenizer(), [], SamplingParams(stop=["xyz", "zzz"]))
-    detok._stop_matcher = recorder = RecordingMatcher(detok._stop_matcher)
-    for word in ["hello", " ", "wor", "ld", " ", "xy", "z!"]:
-        if detok.update([ord(c) for c in word]) is not None:
-            break
-    assert detok.stop_str == "xyz"
-    starts = [start for start, _ in recorder.spans]
-    ends = [end for _, end in recorder.spans]
-    assert starts == [0] + ends[:-1]  # each feed begins where the last one ended: no rescans
-
-
-def test_stop_limits_accept_the_maximum_and_reject_beyond_it():
-    check_stop_limits(["x" * 64] * MAX_STOP_STRINGS, list(range(MAX_STOP_TOKEN_IDS)))
-    longest_fitting = MAX_STOP_CHARS_TOTAL // MAX_STOP_STRING_CHARS
-    check_stop_limits(["x" * MAX_STOP_STRING_CHARS] * longest_fitting, [])
-    too_many = ["x"] * (MAX_STOP_STRINGS + 1)
-    too_long = ["x" * (MAX_STOP_STRING_CHARS + 1)]
-    too_much = ["x" * MAX_STOP_STRING_CHARS] * (longest_fitting + 1)
-    for stop, ids, field in [(too_many, [], "stop"), (too_long, [], "stop"), (too_much, [], "stop"),
-                             ([], list(range(MAX_STOP_TOKEN_IDS + 1)), "stop_token_ids")]:
-        with pytest.raises(ValueError, match=rf"SamplingParams\.{field} .*at most"):
-            check_stop_limits(stop, ids)

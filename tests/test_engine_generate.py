@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models.tiny import make_tiny_model_dir
+from tests.tiny_model import make_tiny_model_dir
 
 PROMPTS = [
     "The quick brown fox",
@@ -216,18 +216,62 @@ def test_bad_inputs_raise_clear_errors(tiny):
     assert generate_ids(llm, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=4))
 
 
-def test_streaming_deltas_concatenate_to_final_text(tiny):
-    llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
-    engine = llm.llm_engine
-    engine.add_request("s", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    deltas, ids, final = [], [], None
+def stream_all(engine):
+    """Steps until idle; returns {request id: (outputs in order)}."""
+    streams = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
-            deltas.append(out.outputs[0].delta_text)
-            ids += out.outputs[0].delta_token_ids
-            final = out
-    assert final.finished and "".join(deltas) == final.outputs[0].text
-    assert ids == final.outputs[0].token_ids and len(ids) == 20
+            streams.setdefault(out.request_id, []).append(out)
+    return streams
+
+
+def test_streaming_deltas_concatenate_to_final_output(tiny):
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
+    engine = llm.llm_engine
+    full = llm.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+                        use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2: len(full) // 2 + 4]
+    engine.add_request("s", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    engine.add_request("stop", PROMPTS[1], SamplingParams(temperature=0, max_tokens=20, logprobs=2,
+                                                          ignore_eos=True, stop=[stop]))
+    for rid, outs in stream_all(engine).items():
+        final = outs[-1].outputs[0]
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+        # Text, tokens and logprobs are released together and add up to the whole.
+        assert "".join(o.outputs[0].delta_text for o in outs) == final.text
+        assert sum((o.outputs[0].delta_token_ids for o in outs), []) == final.token_ids
+        if final.logprobs is not None:
+            assert sum((o.outputs[0].delta_logprobs for o in outs), []) == final.logprobs
+        assert all(o.outputs[0].delta_token_ids for o in outs[:-1])
+    assert final.stop_reason == stop and final.text == full[:full.index(stop)]
+
+
+def test_stop_id_text_is_left_out_unless_include_stop_str_in_output(tiny):
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
+    tok = llm.get_tokenizer()
+    base = generate_ids(llm, [PROMPTS[0]])[0]
+    k = first_new_token(base, 2)
+    params = dict(temperature=0, max_tokens=24, ignore_eos=True, stop_token_ids=[base[k]])
+    dropped, kept = (llm.generate([PROMPTS[0]], SamplingParams(**params, include_stop_str_in_output=inc),
+                                  use_tqdm=False)[0].outputs[0] for inc in (False, True))
+    assert dropped.token_ids == kept.token_ids == base[:k + 1]  # the id is in token_ids (vLLM)
+    assert dropped.text == tok.decode(base[:k], skip_special_tokens=True)
+    assert kept.text == tok.decode(base[:k + 1], skip_special_tokens=True)
+    assert dropped.finished_on_stop_token and dropped.stop_reason == base[k]
+
+
+def test_stop_token_sequences_through_the_engine(tiny):
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
+    base = generate_ids(llm, [PROMPTS[2]])[0]
+    k = first_new_token(base, 3)
+    sequence = base[k - 1:k + 1]
+    out = llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                                                    stop_token_sequences=[sequence]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == base[:k + 1] and out.stop_reason == sequence
+    assert not out.finished_on_stop_token
+    with pytest.raises(ValueError, match="stop_token_sequences"):
+        llm.generate([PROMPTS[2]], SamplingParams(stop_token_sequences=[[10 ** 6]]), use_tqdm=False)
 
 
 def test_abort_frees_blocks_and_failure_switch_aborts_the_step(tiny):

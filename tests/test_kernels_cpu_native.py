@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels import cpu_native, reference
-from kernels.testing import make_paged_batch
+from tests.paged_batch import make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine falls back to torch")

@@ -22,7 +22,7 @@ pytest.importorskip("triton", reason="triton is not installed; the torch path is
                     "in test_kernels_torch.py")
 
 from kernels import reference, triton_ops  # noqa: E402
-from kernels.testing import make_paged_batch  # noqa: E402
+from tests.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # The two sides round differently in bf16/fp16: torch keeps bf16 logits, the kernels
@@ -141,3 +141,22 @@ def test_dispatch_runs_triton_on_cuda():
     expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
                                            for a in batch.attention_args()])
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA: on CPU the dispatcher runs the C/torch path")
+def test_dispatch_elementwise_ops_on_cuda_run_the_torch_reference():
+    from kernels import dispatch
+    g = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
+    weight = torch.randn(64, generator=g).to(torch.bfloat16).cuda()
+    expected_residual = residual.clone()
+    expected = reference.add_rms_norm(x, expected_residual, weight, 1e-5)
+    assert torch.equal(dispatch.add_rms_norm(x, residual, weight, 1e-5), expected)
+    assert torch.equal(residual, expected_residual)
+    assert torch.equal(dispatch.silu_mul(x), reference.silu_mul(x))
+    assert torch.equal(dispatch.argmax_rows(x), x.argmax(dim=-1))
+    tables = [torch.randn(40, 8, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
+    positions = torch.tensor([3, 0, 39, 7, 7], device="cuda")
+    cos, sin = (t[positions].unsqueeze(1) for t in tables)
+    got = dispatch.rope(x, 2, 16, 8, positions, *tables, cos, sin)
+    assert got.is_cuda and torch.equal(got, reference.rope(x, 2, 16, cos, sin))

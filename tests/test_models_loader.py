@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.models import default_model_dir, load_model
 from engine.models import gguf_cache
 from engine.models.loader import resolve_dtype
-from engine.models.tiny import make_tiny_model_dir
+from tests.tiny_model import make_tiny_model_dir
 from kernels import cpu_features
 from tests.test_models_support import PagedBatchBuilder, hf_logits
 

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.models import load_model
-from engine.models.tiny import make_tiny_model_dir
+from tests.tiny_model import make_tiny_model_dir
 from tests.test_models_support import PagedBatchBuilder, hf_logits
 
 pytestmark = pytest.mark.timeout(300)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.timeout(120)
 def make_request(rid, params, prompt=(1, 2, 3), outputs=(), eos=None):
     req = Request(str(rid), list(prompt), params, eos_token_id=eos)
     for tok in outputs:
-        req.append_output_token(tok)
+        req.all_token_ids.append(tok)
     return req
 
 
@@ -125,7 +125,7 @@ def run_steps(sampler, requests, logits_per_step, watch):
     for logits in logits_per_step:
         out = sample(sampler, logits[:len(requests)], requests)
         for req, tok in zip(requests, out.sampled_token_ids.tolist()):
-            req.append_output_token(tok)
+            req.all_token_ids.append(tok)
         got.append(out.sampled_token_ids[requests.index(watch)].item())
     return got
 
@@ -191,7 +191,7 @@ def test_cached_output_ids_track_growth_across_steps():
     req = make_request("g", SamplingParams(temperature=0.0, frequency_penalty=1.0))
     gen = torch.Generator().manual_seed(10)
     for _ in range(150):  # past the cache's initial capacity
-        req.append_output_token(int(torch.randint(0, 20, (1,), generator=gen)))
+        req.all_token_ids.append(int(torch.randint(0, 20, (1,), generator=gen)))
         cached = sampler.prepare([req], 20, "cpu").penalties
         fresh = SamplingMetadata.build([req], 20, "cpu").penalties
         assert torch.equal(apply_penalties(torch.zeros(1, 20), cached),
@@ -208,9 +208,9 @@ def test_min_tokens_masks_eos_and_stop_ids_until_reached():
     req = make_request("m", params, eos=eos)
     sampler = Sampler()
     assert sample(sampler, logits, [req]).sampled_token_ids.item() == 5
-    req.append_output_token(5)
+    req.all_token_ids.append(5)
     assert sample(sampler, logits, [req]).sampled_token_ids.item() == 5
-    req.append_output_token(5)
+    req.all_token_ids.append(5)
     assert sample(sampler, logits, [req]).sampled_token_ids.item() == eos
 
 
@@ -249,7 +249,7 @@ def test_min_tokens_masks_every_eos_id():
     logits[0, 7], logits[0, 4], logits[0, 5] = 10.0, 9.0, 8.0
     req = make_request("e", SamplingParams(temperature=0.0, min_tokens=1), eos=[7, 4])
     assert sample(Sampler(), logits, [req]).sampled_token_ids.item() == 5
-    req.append_output_token(5)
+    req.all_token_ids.append(5)
     assert sample(Sampler(), logits, [req]).sampled_token_ids.item() == 7
 
 

@@ -5,7 +5,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, RequestStatus, SamplingParams
 from engine.scheduler import Scheduler
 from tests.fake_model import FakeModelRunner, run_to_completion
-from tests.sched_invariants import check_drained, check_state, check_step
+from tests.sched_invariants import check_drained, check_state, check_step, schedule
 
 
 def make(num_blocks=1000, block_size=16, watermark=0.0, caching=True, **sched):
@@ -23,26 +23,26 @@ def req(rid, prompt, max_tokens=16, priority=0, arrival=None, eos=None, **params
 
 
 def step(s, sampled=None):
-    out = s.schedule()
-    check_step(s, out)
+    """One schedule + update; returns (output, finished requests, StepIds)."""
+    out, ids = schedule(s)
     if sampled is None:
         sampled = {r.request_id: [7] for r in out.scheduled_requests
                    if r.num_computed_tokens >= r.num_tokens}
-    finished = s.update_from_output(out, sampled)
+    finished = [r for r in s.update_from_output(out, sampled) if r.is_finished]
     check_state(s)
-    return out, finished
+    return out, finished, ids
 
 
 def test_chunked_prefill_budget_and_threshold():
     s = make(max_num_batched_tokens=1024, long_prefill_token_threshold=400)
     for name in "abc":
         s.add_request(req(name, 800))
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
-    assert out.new_req_ids == ["a", "b", "c"]
-    out, _ = step(s)
+    assert ids.new == ["a", "b", "c"]
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens == {"a": 400, "b": 400, "c": 224}
-    out, _ = step(s)
+    out, _, ids = step(s)
     # a and b finished their prompts last step and now decode; c gets the rest.
     assert out.num_scheduled_tokens == {"a": 1, "b": 1, "c": 352}
     assert [r.num_output_tokens for r in (s.requests["a"], s.requests["b"])] == [2, 2]
@@ -53,16 +53,16 @@ def test_decodes_mix_with_a_long_prefill_and_running_goes_first():
     s.add_request(req("short", 10))
     step(s)
     s.add_request(req("long", 300))
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens == {"short": 1, "long": 63}
-    assert out.running_req_ids == ["short"] and out.new_req_ids == ["long"]
+    assert ids.running == ["short"] and ids.new == ["long"]
 
 
 def test_max_num_seqs_caps_admissions():
     s = make(max_num_seqs=2)
     for i in range(4):
         s.add_request(req(f"r{i}", 5))
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert sorted(out.num_scheduled_tokens) == ["r0", "r1"]
     assert len(s.waiting) == 2
 
@@ -90,7 +90,7 @@ def test_prefix_cache_hit_and_last_token_always_computed():
     s.add_request(req("a", shared + [100, 101]))
     step(s)
     s.add_request(req("b", shared + [200]))
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens["b"] == 1  # 48 tokens came from the cache
     kv = s.kv_cache_manager
     assert kv.req_to_block_ids["a"][:3] == kv.req_to_block_ids["b"][:3]
@@ -98,7 +98,7 @@ def test_prefix_cache_hit_and_last_token_always_computed():
     assert kv.prefix_cache_stats.hits == 48
     # A prompt that is exactly cached still computes its last token.
     s.add_request(req("c", shared))
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens["c"] == 16 and s.requests["c"].num_cached_tokens == 32
 
 
@@ -107,7 +107,7 @@ def test_cache_salt_separates_prefixes():
     s.add_request(Request("a", list(range(1, 10)), SamplingParams(max_tokens=1), cache_salt="x"))
     step(s)
     s.add_request(Request("b", list(range(1, 10)), SamplingParams(max_tokens=1), cache_salt="y"))
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens["b"] == 9
 
 
@@ -131,11 +131,11 @@ def test_allocate_never_counts_free_cache_hits_as_free_space():
 def test_watermark_holds_back_admissions_but_not_running_growth():
     s = make(num_blocks=10, block_size=4, watermark=0.2)  # 2 blocks reserved
     s.add_request(req("big", 33))  # 9 blocks: 10 - 9 < 2
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert not out.num_scheduled_tokens and len(s.waiting) == 1
     s.finish_requests(["big"])
     s.add_request(req("ok", 32, max_tokens=8))  # 8 blocks: 10 - 8 >= 2
-    out, _ = step(s)
+    out, _, ids = step(s)
     assert out.num_scheduled_tokens == {"ok": 32}
     step(s)  # the decode needs a 9th block: running requests may use the reserve
     assert len(s.kv_cache_manager.req_to_blocks["ok"]) == 9
@@ -147,9 +147,9 @@ def test_fcfs_preempts_tail_and_resumes_first():
     s.add_request(req("b", 8, max_tokens=20, ignore_eos=True))
     step(s)  # a, b: 2 blocks each, pool full
     s.add_request(req("c", 3))
-    out, _ = step(s)  # both need a third block at position 8
-    assert out.preempted_req_ids == ["b"]
-    assert out.num_scheduled_tokens == {"a": 1} and not out.new_req_ids
+    out, _, ids = step(s)  # both need a third block at position 8
+    assert ids.preempted == ["b"]
+    assert out.num_scheduled_tokens == {"a": 1} and not ids.new
     b = s.requests["b"]
     assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
     assert b.num_preemptions == 1 and s.num_preemptions_total == 1
@@ -160,10 +160,10 @@ def test_priority_preempts_lowest_priority_not_tail():
     s = make(num_blocks=4, block_size=4, caching=False, policy="priority")
     s.add_request(req("low", 8, max_tokens=20, priority=5, arrival=1.0, ignore_eos=True))
     s.add_request(req("high", 8, max_tokens=20, priority=0, arrival=2.0, ignore_eos=True))
-    out, _ = step(s)
-    assert out.new_req_ids == ["high", "low"]  # priority order, not arrival
-    out, _ = step(s)
-    assert out.preempted_req_ids == ["low"]
+    out, _, ids = step(s)
+    assert ids.new == ["high", "low"]  # priority order, not arrival
+    out, _, ids = step(s)
+    assert ids.preempted == ["low"]
     assert out.num_scheduled_tokens == {"high": 1}
 
 
@@ -174,8 +174,8 @@ def test_priority_victim_already_scheduled_gives_back_its_budget():
     s.add_request(req("high", 8, max_tokens=20, priority=0, arrival=1.0, ignore_eos=True))
     step(s)  # running order: low, high; 2 + 2 blocks, 1 free
     assert [r.request_id for r in s.running] == ["low", "high"]
-    out, _ = step(s)  # low grows into the free block, then high needs one: low is evicted
-    assert out.preempted_req_ids == ["low"]
+    out, _, ids = step(s)  # low grows into the free block, then high needs one: low is evicted
+    assert ids.preempted == ["low"]
     assert out.num_scheduled_tokens == {"high": 1} and out.total_num_scheduled_tokens == 1
 
 
@@ -194,12 +194,15 @@ def test_stop_rules():
     s.add_request(req("stopid", 3, stop_token_ids=[9]))
     s.add_request(req("min", 3, eos=2, min_tokens=2))
     out = s.schedule()
-    fin = s.update_from_output(out, {"eos": [2], "ignore": [2], "stopid": [5], "min": [2]})
+    got = s.update_from_output(out, {"eos": [2], "ignore": [2], "stopid": [5], "min": [2]})
+    assert [r.request_id for r in got] == ["eos", "ignore", "stopid", "min"]
+    fin = [r for r in got if r.is_finished]
     assert [r.request_id for r in fin] == ["eos"]
     assert fin[0].finish_reason == "stop" and fin[0].stop_reason is None
     out = s.schedule()
     # Tokens after a stop in the same step are dropped.
     fin = s.update_from_output(out, {"ignore": [2], "stopid": [9, 4, 4], "min": [2]})
+    assert all(r.is_finished for r in fin)
     by_id = {r.request_id: r for r in fin}
     assert by_id["ignore"].finish_reason == "length" and by_id["ignore"].output_token_ids == [2, 2]
     assert by_id["stopid"].output_token_ids == [5, 9] and by_id["stopid"].stop_reason == 9
@@ -257,14 +260,36 @@ def test_preempted_request_resumes_from_prefix_cache_and_output_matches():
     assert tight.kv_cache_manager.prefix_cache_stats.hits > 0
 
 
-def test_finish_with_stop_string_reason():
+def test_stop_token_sequences_match_output_ids_only():
     s = make()
-    s.add_request(req("r", 5))
-    out = s.schedule()
-    s.update_from_output(out, {"r": [3]})
-    r = s.requests["r"]
-    s.finish_with_reason(r, RequestStatus.FINISHED_STOPPED, "###")
-    assert r.finish_reason == "stop" and r.stop_reason == "###"
+    prompt = [5, 6, 1, 2]
+    s.add_request(req("seq", prompt, stop_token_sequences=[[1, 2, 3], [9]]))
+    s.add_request(req("min", prompt, stop_token_sequences=[[9]], min_tokens=2))
+    # The prompt ends with 1, 2: the first 3 completes [1, 2, 3] only across the prompt,
+    # and min's first 9 comes before min_tokens.
+    finished = {}
+    for sampled in ({"seq": [3], "min": [9]}, {"seq": [1], "min": [4]},
+                    {"seq": [2], "min": [9]}, {"seq": [3]}):
+        for r in s.update_from_output(s.schedule(), sampled):
+            if r.is_finished:
+                finished[r.request_id] = r
+    assert finished["min"].stop_reason == [9] and finished["min"].output_token_ids == [9, 4, 9]
+    assert finished["seq"].stop_reason == [1, 2, 3]
+    assert finished["seq"].output_token_ids == [3, 1, 2, 3]
+    assert not finished["seq"].finished_on_stop_token
+    check_drained(s)
+
+
+def test_eos_and_stop_ids_mark_the_request_as_ended_on_a_stop_token():
+    s = make()
+    s.add_request(req("eos", 3, eos=(2, 4)))
+    s.add_request(req("id", 3, stop_token_ids=[9]))
+    s.add_request(req("len", 3, max_tokens=1))
+    fin = {r.request_id: r for r in s.update_from_output(s.schedule(),
+                                                         {"eos": [4], "id": [9], "len": [4]})}
+    assert fin["eos"].finished_on_stop_token and fin["eos"].stop_reason is None
+    assert fin["id"].finished_on_stop_token and fin["id"].stop_reason == 9
+    assert fin["len"].finish_reason == "length" and not fin["len"].finished_on_stop_token
     check_drained(s)
 
 
@@ -303,9 +328,8 @@ def test_priority_victim_preempted_after_its_grant_is_undone_cleanly():
     step(s)
     s.add_request(req("high", [21, 22], max_tokens=20, priority=0, arrival=1.0, ignore_eos=True))
     step(s)
-    out = s.schedule()  # low takes the last block, then high needs one and low is evicted
-    check_step(s, out)
-    assert out.preempted_req_ids == ["low"] and out.num_scheduled_tokens == {"high": 1}
+    out, ids = schedule(s)  # low takes the last block, then high needs one and low is evicted
+    assert ids.preempted == ["low"] and out.num_scheduled_tokens == {"high": 1}
     low = s.requests["low"]
     assert low.num_computed_tokens == 0
     # low's token at position 4 was never computed: its hash must not be served.

@@ -8,7 +8,7 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from tests.fake_model import FakeModelRunner
-from tests.sched_invariants import check_drained, check_step
+from tests.sched_invariants import check_drained, schedule
 
 EOS = 0
 
@@ -67,11 +67,10 @@ def drive(sched, cache, specs, check=True, max_steps=20_000):
                 aborts.setdefault(step + spec["abort_at_step"], []).append(f"r{i}")
         for r in s.finish_requests(aborts.pop(step, [])):
             finished[r.request_id] = r
-        out = s.schedule()
-        if check:
-            check_step(s, out)
+        out = schedule(s)[0] if check else s.schedule()
         for r in s.update_from_output(out, runner.execute(out)):
-            finished[r.request_id] = r
+            if r.is_finished:
+                finished[r.request_id] = r
         step += 1
         assert step < max_steps, "no progress"
     check_drained(s)

@@ -22,3 +22,24 @@ def test_param_without_key_and_value_is_a_usage_error(bad, capsys):
         serve.parse_args(["--param", bad])
     assert exit_info.value.code == 2
     assert f"expected KEY=VALUE, got {bad!r}" in capsys.readouterr().err
+
+
+def test_model_is_written_once_and_the_tokenizer_models_follow_it(tmp_path):
+    from backend.tokenizer_source import read_config_parameters, tokenizer_source
+
+    model = tmp_path / "my-model"
+    args = serve.parse_args(["--model", str(model), "--param", "max_num_seqs=8"])
+    repo = serve.repository_for(args, target=tmp_path / "repo")
+    for name in serve.ENGINE_MODELS:
+        params = read_config_parameters(repo / name / "config.pbtxt")
+        assert params["model"] == str(model) and params["max_num_seqs"] == "8"
+    for name in ("preprocessing", "postprocessing"):
+        params = read_config_parameters(repo / name / "config.pbtxt")
+        assert params["tokenizer"] == ""
+        assert tokenizer_source(name, params, repo / name).model == str(model)
+
+
+def test_without_overrides_the_repository_is_served_as_is(tmp_path):
+    args = serve.parse_args([])
+    assert serve.repository_for(args, target=tmp_path / "repo") == REPO_ROOT / "model_repository"
+    assert not (tmp_path / "repo").exists()

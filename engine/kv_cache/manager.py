@@ -119,8 +119,5 @@ class KVCacheManager:
             # should be evicted before the head.
             self.block_pool.free_blocks(reversed(blocks))
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        return self.req_to_block_ids.get(request_id, [])
-
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

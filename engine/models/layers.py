@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_features, cpu_native
+from kernels import cpu_features, dispatch
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -56,32 +56,20 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add.
-
-    Normalises in fp32 and rounds to the model dtype before the weight multiply, the
-    order HF uses, so bf16 runs track HF's rounding."""
+    """RMSNorm with an optional fused residual add (numerics: kernels.reference.add_rms_norm,
+    HF's rounding order)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = empty_param(hidden_size, dtype=dtype)
         self.eps = eps
-        self.shape = (hidden_size,)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), self.shape, None, self.eps)
-        return normed.to(x.dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); the residual is updated in place."""
         if residual is None:
-            fused = cpu_native.add_rms_norm(None, x, self.weight, self.eps)
-            return (self._norm(x) if fused is None else fused), x
-        fused = cpu_native.add_rms_norm(x, residual, self.weight, self.eps)
-        if fused is not None:
-            return fused, residual
-        residual.add_(x)
-        return self._norm(residual), residual
+            return dispatch.add_rms_norm(None, x, self.weight, self.eps), x
+        return dispatch.add_rms_norm(x, residual, self.weight, self.eps), residual
 
 
 class SwiGLUMLP(nn.Module):
@@ -95,9 +83,4 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        act = cpu_native.silu_mul(gate_up)
-        if act is None:
-            act = F.silu(gate_up[:, :self.intermediate_size])
-            act.mul_(gate_up[:, self.intermediate_size:])
-        return self.down_proj(act)
+        return self.down_proj(dispatch.silu_mul(self.gate_up_proj(x)))

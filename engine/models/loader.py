@@ -13,8 +13,8 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from engine.models.gguf_cache import converted_dir_for, default_model_dir
 from engine.models.llama import MODEL_REGISTRY, head_dim_of
+from engine.models.model_files import load_tokenizer, resolve_model_dir
 from kernels import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -87,19 +87,6 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    if model is None:
-        return default_model_dir()
-    path = Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return converted_dir_for(path)
-    if not path.is_dir():
-        raise ValueError(f"model: {str(model)!r} is neither an HF model folder nor a .gguf file")
-    if not (path / "config.json").is_file():
-        raise ValueError(f"model: folder {str(path)!r} has no config.json")
-    return path
-
-
 def iter_checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     files = sorted(glob.glob(str(model_dir / "*.safetensors")))
     if files:
@@ -151,7 +138,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     """Build our model from `model` (HF folder, .gguf file, or None for the embedded default).
 
     `tokenizer`: a folder to take the tokenizer from instead of the model's."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     start = time.perf_counter()
     model_dir = resolve_model_dir(model)
@@ -170,7 +157,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     net.eval()
     net.to(device)
     net.prepack()  # CPU only; a no-op elsewhere
-    tok = AutoTokenizer.from_pretrained(tokenizer or model_dir)
+    tok = load_tokenizer(model_dir, tokenizer)
     return LoadedModel(
         model=net, hf_config=config, tokenizer=tok, model_dir=model_dir,
         dtype=torch_dtype, num_layers=config.num_hidden_layers,

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from kernels import cpu_native
+from kernels import dispatch
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -88,7 +88,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
         inv_freq, mult = rope_inv_freq(config)
-        self.rot_dim = inv_freq.numel() * 2
+        self.rot_half = inv_freq.numel()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         angles = torch.outer(positions, inv_freq)
         # HF rounds cos/sin to the model dtype before mixing, so do the same.
@@ -104,19 +104,11 @@ class RotaryEmbedding(nn.Module):
                    head_dim: int) -> torch.Tensor:
         """Rotate the first `num_heads` heads (q then k) of each row of a fused [T, qkv]
         buffer -> contiguous [T, num_heads, head_dim]. One fused pass on CPU bf16."""
-        fused = cpu_native.rope(qkv, num_heads, head_dim, self.rot_dim // 2, cos_sin[2],
-                                self.cos, self.sin)
-        if fused is not None:
-            return fused
-        rows = qkv.shape[0]
-        return self(cos_sin, qkv[:, :num_heads * head_dim].view(rows, num_heads, head_dim))
+        return dispatch.rope(qkv, num_heads, head_dim, self.rot_half, cos_sin[2], self.cos,
+                             self.sin, cos_sin[0], cos_sin[1])
 
     def forward(self, cos_sin: tuple, x: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim] (may be a strided view); returns a new contiguous tensor."""
-        cos, sin = cos_sin[0], cos_sin[1]
-        half = self.rot_dim // 2
-        x1, x2 = x[..., :half], x[..., half:self.rot_dim]
-        rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
-        if self.rot_dim == x.shape[-1]:
-            return torch.cat(rotated, dim=-1)
-        return torch.cat((*rotated, x[..., self.rot_dim:]), dim=-1)
+        """x: [T, heads, head_dim]; returns a new contiguous tensor. The model calls
+        rotate_qkv; this is the same rotation for a tensor of heads alone."""
+        rows, heads, head_dim = x.shape
+        return self.rotate_qkv(cos_sin, x.reshape(rows, heads * head_dim), heads, head_dim)

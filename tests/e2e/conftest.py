@@ -12,7 +12,7 @@ import pytest
 
 from backend.repository_layout import copy_repository
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
-from tests.e2e.shared import DEFAULT_MODEL_ARGS, FAILURE_STEP, TINY_ENGINE_ARGS
+from tests.e2e.shared import DEFAULT_MODEL_ARGS, FAILURE_STEP, FAULTY_MAX_NUM_SEQS, TINY_ENGINE_ARGS
 
 @dataclass
 class Server:
@@ -41,7 +41,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from engine.models.tiny import make_tiny_model_dir
+    from tests.tiny_model import make_tiny_model_dir
 
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))
 
@@ -55,7 +55,8 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
         models=["llm", "tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
         renames={"llm_faulty": "llm", "llm_default": "llm", "llm_priority": "llm"},
         params={"llm": tiny, "tensorrt_llm": tiny,
-                "llm_faulty": {**tiny, "inject_failure_at_step": str(FAILURE_STEP)},
+                "llm_faulty": {**tiny, "inject_failure_at_step": str(FAILURE_STEP),
+                               "max_num_seqs": str(FAULTY_MAX_NUM_SEQS)},
                 "llm_default": {"model": "", **DEFAULT_MODEL_ARGS},
                 "llm_priority": {**tiny, "policy": "priority", "max_num_seqs": "2",
                                  "num_kv_blocks": "33"},

@@ -8,7 +8,10 @@ TINY_ENGINE_ARGS = {"dtype": "float32", "block_size": "16", "num_kv_blocks": "25
                     "max_num_seqs": "64", "max_model_len": "512", "max_num_batched_tokens": "1024"}
 DEFAULT_MODEL_ARGS = {"dtype": "auto", "block_size": "16", "num_kv_blocks": "128",
                       "max_num_seqs": "8", "max_model_len": "1024"}
-FAILURE_STEP = 3
+# The faulty copy fails its 16th step: late enough that three requests sent together
+# have all arrived, with one of them WAITING behind FAULTY_MAX_NUM_SEQS running ones.
+FAILURE_STEP = 16
+FAULTY_MAX_NUM_SEQS = 2
 
 
 PROMPTS = ["Hello, my name is", "The capital of France is", "Écrire un poème sur la mer:",

@@ -65,10 +65,20 @@ def test_ensemble_rejects_unsupported(server, extra, fragment):
 
 
 def test_ensemble_stop_words(server, reference):
-    full = reference.generate([PROMPTS[2]], greedy(30))[0].outputs[0].text
-    stop = full[10:13]
+    # As in TensorRT-LLM, preprocessing turns each stop word into ids and the engine stops
+    # when the output ends with those ids. Pick two output tokens whose text tokenizes
+    # back to the same ids, first seen there.
+    tok = reference.get_tokenizer()
+    ids = reference.generate([PROMPTS[2]], greedy(30))[0].outputs[0].token_ids
+    k = next(k for k in range(2, len(ids) - 2)
+             if tok.encode(tok.decode(ids[k:k + 2]), add_special_tokens=False) == ids[k:k + 2]
+             and all(ids[j:j + 2] != ids[k:k + 2] for j in range(k)))
+    stop = tok.decode(ids[k:k + 2])
     outcome = infer_one(server.grpc, "ensemble", ensemble_inputs(
         PROMPTS[2], 30, exclude_input_in_output=np.array([[True]]),
         stop_words=np.array([[stop.encode()]], dtype=np.object_)))
     assert outcome.error is None
-    assert stop in outcome.text and len(outcome.text) < len(full)
+    # The stop word stays in the output (TensorRT-LLM's convention); nothing after it.
+    expected = reference.generate([PROMPTS[2]], greedy(30, stop_token_sequences=[ids[k:k + 2]]))
+    assert expected[0].outputs[0].token_ids == ids[:k + 2]
+    assert outcome.text == expected[0].outputs[0].text and stop in outcome.text

@@ -8,7 +8,7 @@ import pytest
 import requests
 
 from tests.e2e.shared import PROMPTS, greedy
-from tests.e2e.triton_clients import infer_many, infer_one, llm_inputs
+from tests.e2e.triton_clients import OpenStream, infer_many, infer_one, llm_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -92,29 +92,33 @@ def test_bad_requests_do_not_disturb_good_ones(server, reference):
     assert outputs[4].text == reference.generate([PROMPTS[5]], greedy(24))[0].outputs[0].text
 
 
-def test_engine_failure_errors_in_flight_requests_and_model_recovers(server, reference):
-    from tests.e2e.shared import FAILURE_STEP
+def test_engine_failure_errors_running_requests_only_and_model_recovers(server, reference):
+    from tests.e2e.shared import FAILURE_STEP, FAULTY_MAX_NUM_SEQS
 
-    # The faulty copy raises inside the engine's step FAILURE_STEP once. Requests that
-    # run in that step get an error; the model then serves normally.
+    # The faulty copy raises inside its engine step FAILURE_STEP once, and runs at most
+    # FAULTY_MAX_NUM_SEQS requests. Three requests sent within a millisecond: two are
+    # RUNNING when the failure hits and must get its error; the third is WAITING and
+    # must then be served in full. Any request that never ends fails the test.
+    assert FAULTY_MAX_NUM_SEQS == 2 and FAILURE_STEP < 40
+    sampling = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    expected = reference.generate(PROMPTS[:3], greedy(40, ignore_eos=True))
+    streams = [OpenStream(server.grpc) for _ in range(3)]
+    for stream, prompt in zip(streams, PROMPTS[:3]):
+        stream.send("llm_faulty", llm_inputs(prompt, sampling, stream=True))
+    hung = [i for i, stream in enumerate(streams) if not stream.wait(timeout=120)]
+    assert not hung, f"requests {hung} never ended"
+    failed = [s for s in streams if s.outcome.error]
+    served = [(i, s) for i, s in enumerate(streams) if not s.outcome.error]
+    assert len(failed) == 2 and len(served) == 1, [s.outcome.error for s in streams]
+    for stream in failed:
+        assert "engine step failed" in stream.outcome.error, stream.outcome.error
+        assert len(stream.outcome.responses) < 40
+    index, survivor = served[0]
+    assert survivor.outcome.text == expected[index].outputs[0].text
+    # It was queued when the failure hit: sent before it, first token only after it.
+    failure_seen = min(s.ended_at for s in failed)
+    assert survivor.sent_at < failure_seen < survivor.first_response_at
     expected = reference.generate(PROMPTS[:3], greedy(30))
-    threads, outcomes = [], {}
-    for i, prompt in enumerate(PROMPTS[:3]):
-        t = threading.Thread(target=lambda i=i, p=prompt: outcomes.__setitem__(
-            i, infer_one(server.grpc, "llm_faulty", llm_inputs(p, {"temperature": 0, "max_tokens": 30},
-                                                               stream=True))))
-        t.start()
-        threads.append(t)
-    for t in threads:
-        t.join(timeout=120)
-    failed = [o for o in outcomes.values() if o.error]
-    assert failed, f"no request failed at step {FAILURE_STEP}"
-    for i, outcome in outcomes.items():
-        assert outcome.final
-        if outcome.error:
-            assert "engine step failed" in outcome.error
-        else:
-            assert outcome.text == expected[i].outputs[0].text
     again = infer_many(server.grpc, "llm_faulty", [
         llm_inputs(p, {"temperature": 0, "max_tokens": 30}, stream=True) for p in PROMPTS[:3]])
     assert [o.text for o in again] == [e.outputs[0].text for e in expected]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,6 +136,45 @@ def infer_one(url: str, model: str, tensors: dict[str, np.ndarray], timeout: flo
         client.stop_stream()
         client.close()
     return outcome
+
+
+class OpenStream:
+    """One request on its own stream, opened ahead so that several requests can be sent
+    within a millisecond of each other; arrival times are kept for ordering checks."""
+
+    def __init__(self, url: str) -> None:
+        self.outcome = Outcome()
+        self.sent_at = self.first_response_at = self.ended_at = 0.0
+        self._ended = threading.Event()
+        self._client = grpcclient.InferenceServerClient(url)
+        self._client.start_stream(callback=self._callback)
+
+    def _callback(self, result: Any, error: Any) -> None:
+        now = time.monotonic()
+        if error is not None:
+            self.outcome.error = str(error)
+        else:
+            outputs, final = _collect(result)
+            if outputs:
+                self.outcome.responses.append(outputs)
+                self.first_response_at = self.first_response_at or now
+            if not final:
+                return
+        self.outcome.final = True
+        self.ended_at = now
+        self._ended.set()
+
+    def send(self, model: str, tensors: dict[str, np.ndarray]) -> None:
+        self.sent_at = time.monotonic()
+        self._client.async_stream_infer(model, tensors_to_inputs(tensors), request_id="0",
+                                        enable_empty_final_response=True)
+
+    def wait(self, timeout: float) -> bool:
+        """True once the request ended (final response or error) within `timeout`."""
+        ended = self._ended.wait(timeout)
+        self._client.stop_stream(cancel_requests=not ended)
+        self._client.close()
+        return ended
 
 
 def scrape_metrics(metrics_url: str) -> dict[str, float]:

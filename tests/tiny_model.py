@@ -1,4 +1,5 @@
-"""Tiny random-weight HF model folders for tests and benchmarks.
+"""Tiny random-weight HF model folders for the tests (`python -m tests.tiny_model OUT`
+writes one from the command line).
 
 Built with transformers' own model classes so HF can serve as the reference, and paired
 with the SmolLM2 tokenizer so token ids and text round-trip like the real model."""
@@ -67,7 +68,7 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0,
 
 def _copy_tokenizer(src: Path | None, out: Path) -> None:
     if src is None:
-        from engine.models.gguf_cache import default_model_dir
+        from engine.models import default_model_dir
         src = default_model_dir()
     for name in TOKENIZER_FILES:
         if (src / name).is_file():

@@ -1,4 +1,4 @@
-"""Random paged batches and a dense reference, shared by the tests and bench_gpu.py.
+"""Random paged batches and a dense reference, shared by the kernel tests and benchmarks.
 
 The cache is filled by direct indexing here (not by the ops under test), and every
 slot not owned by a sequence holds random values, so reading a wrong slot shows up.
