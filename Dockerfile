@@ -12,6 +12,10 @@ COPY engine ./engine
 COPY kernels ./kernels
 COPY backend ./backend
 COPY model_repository ./model_repository
+# The `tle` Python-based backend that model_repository/llm names: Triton runs
+# <backend-directory>/tle/model.py with its python backend; the code it imports is the
+# `backend` package installed below.
+COPY backend/triton_backend/model.py /opt/tritonserver/backends/tle/model.py
 
 # The image's Python is 3.10; the code avoids 3.11-only features, so the project's
 # 3.11 pin is relaxed here. The default PyPI torch wheel for Linux is the CUDA build.

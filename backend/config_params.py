@@ -1,12 +1,15 @@
-"""config.pbtxt `parameters` -> (EngineConfig, backend options). Pure Python.
+"""config.pbtxt `parameters` and model.json -> (EngineConfig, backend options). Pure Python.
 
-Everything not listed in BackendOptions is an engine argument, so a misspelt engine
-argument fails the model load instead of being silently ignored."""
+Everything in config.pbtxt not listed in BackendOptions is an engine argument, so a
+misspelt engine argument fails the model load instead of being silently ignored. Engine
+arguments may also come from model.json (vllm_backend's file, backend/model_json.py);
+a config.pbtxt parameter wins over model.json's value for the same argument."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Callable, Mapping
 
+from backend.model_json import ModelJson, apply_gpu_memory_utilization
 from engine.config import EngineConfig
 from engine.values import convert
 
@@ -37,8 +40,11 @@ _BACKEND_KEYS = {
 _OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}
 
 
-def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, BackendOptions]:
-    """Raises ValueError naming the offending parameter."""
+def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = None,
+                     log: Callable[[str], None] = lambda _: None
+                     ) -> tuple[EngineConfig, BackendOptions]:
+    """Raises ValueError naming the offending parameter. `log` gets a line for what
+    model.json set that changes nothing here, and one for gpu_memory_utilization."""
     engine_args: dict[str, str] = {}
     options = BackendOptions()
     for key, value in params.items():
@@ -51,8 +57,22 @@ def split_parameters(params: Mapping[str, str]) -> tuple[EngineConfig, BackendOp
         if not isinstance(option, bool) and option < 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
         setattr(options, attr, option)
+    if model_json is None:
+        model_json = ModelJson()
+    merged = {**model_json.engine_args, **engine_args}
     try:
-        config = EngineConfig.from_dict(engine_args)
+        config = EngineConfig.from_dict(merged)
     except ValueError as exc:
-        raise ValueError(f"invalid engine parameter in config.pbtxt: {exc}") from None
+        where = "config.pbtxt" if not model_json.engine_args else "config.pbtxt / model.json"
+        raise ValueError(f"invalid engine parameter in {where}: {exc}") from None
+    if model_json.gpu_memory_utilization is not None:
+        explicit_pool = "kv_cache_memory_bytes" in merged or "num_kv_blocks" in merged
+        config, note = apply_gpu_memory_utilization(config, model_json.gpu_memory_utilization,
+                                                    explicit_pool)
+        log(note)
+    if model_json.ignored:
+        log(f"model.json: accepted and ignored (no effect in this engine): "
+            f"{', '.join(model_json.ignored)}")
+    # As in vllm_backend: REPORT_CUSTOM_METRICS and not disable_log_stats.
+    options.report_custom_metrics = options.report_custom_metrics and not model_json.disable_log_stats
     return config, options

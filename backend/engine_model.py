@@ -1,9 +1,13 @@
 """Shared TritonPythonModel skeleton for the decoupled models that own an engine
-(`llm`: text in/out, `tensorrt_llm`: token ids in/out)."""
+(`llm`: text in/out, `tensorrt_llm`: token ids in/out).
+
+Engine arguments come from the version folder's model.json (vllm_backend's file) and
+the config.pbtxt parameters, which win (backend/config_params.py)."""
 from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 from typing import Any
 
 from backend import triton_io
@@ -11,6 +15,7 @@ from backend.config_params import split_parameters
 from backend.engine_loop import EngineLoop
 from backend.inflight import Inflight
 from backend.metrics import NullMetrics, TritonMetrics
+from backend.model_json import read_model_json
 from backend.request_parsing import InvalidRequest
 from backend.response_worker import ResponseWorker
 
@@ -23,9 +28,13 @@ class EngineModel:
         if not config.get("model_transaction_policy", {}).get("decoupled", False):
             raise ValueError(f"model {args['model_name']!r} must set model_transaction_policy "
                              "{ decoupled: true }")
-        engine_config, self.options = split_parameters(triton_io.model_parameters(config))
-        self.input_names = triton_io.input_names(config)
         self.model_name = args["model_name"]
+        # args["model_repository"] is this model's folder; model.json sits in the version's.
+        model_json = read_model_json(Path(args["model_repository"]) / str(args["model_version"]))
+        engine_config, self.options = split_parameters(
+            triton_io.model_parameters(config), model_json,
+            log=lambda line: triton_io.log_info(f"{self.model_name}: {line}"))
+        self.input_names = triton_io.input_names(config)
         from engine import LLMEngine  # heavy (torch); after the cheap checks
 
         started = time.monotonic()
@@ -43,6 +52,9 @@ class EngineModel:
             raise
         self.engine = self._loop.engine
         self.tokenizer = self.engine.tokenizer
+        cache = self.engine.config.cache
+        # Through the sender thread, which owns every call into Triton once it runs.
+        self._worker.call(lambda: metrics.report_cache_config(cache.block_size, cache.num_kv_blocks))
         self._ids = itertools.count()
         triton_io.log_info(f"{self.model_name}: engine ready in {time.monotonic() - started:.1f} s "
                            f"({engine_config.model or 'embedded SmolLM2-135M-Instruct'})")

@@ -27,7 +27,7 @@ class Inflight:
 def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, step_start: float,
                    now: float) -> None:
     """Adds this output's TTFT / inter-token / queue / end-to-end figures to the step's metrics."""
-    new_tokens = len(out.outputs[0].delta_token_ids)
+    new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)  # n > 1: any sequence's
     if new_tokens:
         if request.first_token_at is None:
             request.first_token_at = now

@@ -8,7 +8,7 @@ from backend.engine_model import EngineModel
 from backend.inflight import Inflight
 from backend.llm_responses import LLMResponseBuilder
 from backend.prompt_limits import check_prompt_size, longest_token_bytes, max_prompt_bytes
-from backend.request_parsing import parse_llm_request
+from backend.request_parsing import compile_structured_output, parse_llm_request
 
 
 class LLMModel(EngineModel):
@@ -26,6 +26,8 @@ class LLMModel(EngineModel):
         # (a spinning Python thread kept running through a 600 KB encode here). The same
         # call as LLMEngine.add_request makes for a text prompt.
         prompt_ids = self.tokenizer.encode(parsed.prompt)
+        # Likewise the grammar (tens of ms cold): the engine thread then finds it cached.
+        compile_structured_output(self.engine.grammar_compiler, parsed.params)
         builder = LLMResponseBuilder(parsed, decode_token=self._decode_token)
         return Inflight(request_id, prompt_ids, parsed.params, sender, builder.build, arrival,
                         parsed.priority)

@@ -21,37 +21,43 @@ class LLMResponseBuilder:
     decode_token: Callable[[int], str] | None = None
 
     def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
-        completion = out.outputs[0]
+        """One entry per sequence (n > 1: index i in entry i), as vllm_backend sends;
+        num_input_tokens stays one value."""
+        completions = out.outputs
         finished = out.finished
         if self.request.stream:
             # One response per step that produced text; the last one carries FINAL
-            # even when the final step produced no text (e.g. it sampled EOS).
-            if not completion.delta_text and not finished:
+            # even when the final step produced no text (e.g. it sampled EOS). A sequence
+            # with nothing new this step gets an empty entry.
+            if not finished and not any(c.delta_text for c in completions):
                 return None
             # The engine releases tokens with their text: tokens held back mid-character
             # or mid-stop-string are counted with the response that carries their text.
-            text = completion.delta_text
-            token_ids, logprobs = completion.delta_token_ids, completion.delta_logprobs
+            texts = [c.delta_text for c in completions]
+            token_ids = [c.delta_token_ids for c in completions]
+            logprobs = [c.delta_logprobs for c in completions]
         else:
             if not finished:
                 return None
-            text = completion.text if self.request.exclude_input_in_output else self.request.prompt + completion.text
-            token_ids, logprobs = completion.token_ids, completion.logprobs
-        num_tokens = len(token_ids)
-        tensors = {"text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+            prefix = "" if self.request.exclude_input_in_output else self.request.prompt
+            texts = [prefix + c.text for c in completions]
+            token_ids = [c.token_ids for c in completions]
+            logprobs = [c.logprobs for c in completions]
+        tensors = {"text_output": _strings(texts)}
         returns = self.request.returns
         if returns.finish_reason:
             # str(None) for unfinished stream responses, as vllm_backend sends.
-            tensors["finish_reason"] = np.array([str(completion.finish_reason).encode()], dtype=np.object_)
+            tensors["finish_reason"] = _strings([str(c.finish_reason) for c in completions])
         if returns.num_input_tokens:
             tensors["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
         if returns.num_output_tokens:
-            tensors["num_output_tokens"] = np.array([num_tokens], dtype=np.uint32)
+            tensors["num_output_tokens"] = np.array([len(ids) for ids in token_ids], dtype=np.uint32)
         if returns.cumulative_logprob:
-            value = completion.cumulative_logprob
-            tensors["cumulative_logprob"] = np.array([np.nan if value is None else value], dtype=np.float32)
+            tensors["cumulative_logprob"] = np.array(
+                [np.nan if c.cumulative_logprob is None else c.cumulative_logprob for c in completions],
+                dtype=np.float32)
         if returns.logprobs:
-            tensors["logprobs"] = np.array([self._logprobs_json(logprobs)], dtype=np.object_)
+            tensors["logprobs"] = np.array([self._logprobs_json(lp) for lp in logprobs], dtype=np.object_)
         return tensors
 
     def _logprobs_json(self, logprobs: list[dict[int, float]] | None) -> bytes:
@@ -65,3 +71,7 @@ class LLMResponseBuilder:
                 item[str(int(token_id))] = info
             payload.append(item)
         return json.dumps(payload).encode("utf-8")
+
+
+def _strings(texts: list[str]) -> np.ndarray:
+    return np.array([t.encode("utf-8") for t in texts], dtype=np.object_)

@@ -33,6 +33,9 @@ _STAT_COUNTERS = {
     "vllm:generation_tokens_total": ("Number of generation tokens processed.",
                                      "generation_tokens_total"),
 }
+# vLLM's info gauge: value 1, the KV cache's shape in its labels. Routers (the Gateway API
+# inference extension's endpoint picker, llm-d) size a server's KV capacity from it.
+CACHE_CONFIG_INFO = ("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")
 # Not a vLLM metric (vLLM queues without bound), hence the project's own prefix.
 REJECTED_COUNTER = ("tle:num_requests_rejected_total",
                     "Requests refused with UNAVAILABLE because MAX_QUEUE_LEN requests were queued.")
@@ -68,30 +71,43 @@ class NullMetrics:
     def record(self, step: StepMetrics) -> None:
         pass
 
+    def report_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+        pass
+
 
 class TritonMetrics:
     def __init__(self, model_name: str, model_version: str) -> None:
         import triton_python_backend_utils as pb_utils
 
-        labels = {"model": model_name, "version": str(model_version)}
+        self._kinds = kinds = pb_utils.MetricFamily
+        self._labels = {"model": model_name, "version": str(model_version)}
         # Triton invalidates a Metric once its MetricFamily is garbage collected, so the
         # families live as long as this object.
         self._families: list = []
-
-        def metric(name: str, desc: str, kind: Any, **kwargs: Any) -> Any:
-            family = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
-            self._families.append(family)
-            return family.Metric(labels=labels, **kwargs)
-
-        kinds = pb_utils.MetricFamily
+        metric = self._metric
         self._gauges = {attr: metric(name, desc, kinds.GAUGE) for name, (desc, attr) in _GAUGES.items()}
         self._stat_counters = {attr: metric(name, desc, kinds.COUNTER)
                                for name, (desc, attr) in _STAT_COUNTERS.items()}
         self._histograms = {attr: metric(name, desc, kinds.HISTOGRAM, buckets=buckets)
                             for name, (desc, attr, buckets) in _HISTOGRAMS.items()}
         self._rejected = metric(*REJECTED_COUNTER, kinds.COUNTER)
+        self._cache_info: Any = None
         self._last_gauge: dict[str, float] = {}
         self._last_counter: dict[str, float] = {attr: 0 for attr in self._stat_counters}
+
+    def _metric(self, name: str, desc: str, kind: Any, extra_labels: dict[str, str] | None = None,
+                **kwargs: Any) -> Any:
+        family = self._kinds(name=name, description=desc, kind=kind)
+        self._families.append(family)
+        return family.Metric(labels={**self._labels, **(extra_labels or {})}, **kwargs)
+
+    def report_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+        """Once, when the engine is built: its pool's size is known only then. vLLM names
+        the pool's block count num_gpu_blocks whatever the device, so the label does too."""
+        self._cache_info = self._metric(
+            *CACHE_CONFIG_INFO, self._kinds.GAUGE,
+            extra_labels={"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)})
+        self._cache_info.set(1)
 
     def record(self, step: StepMetrics) -> None:
         if step.stats is not None:

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from engine.request import SamplingParams
+from engine.structured_output import GrammarCompiler, StructuredOutputsParams
 from engine.values import convert
 
 
@@ -24,14 +25,18 @@ class InvalidRequest(ValueError):
 
 _SAMPLING_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
 # vLLM parameters we accept only at the value that means "feature off", so clients
-# that always send them keep working.
-_ONLY_DEFAULT = {"n": 1, "best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
+# that always send them keep working. `n` is a SamplingParams field (parallel sampling);
+# best_of and beam search would rank sequences, which nothing here does.
+_ONLY_DEFAULT = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
                  "spaces_between_special_tokens": True}
 # Request-level switches a client may put in Triton request parameters (HTTP
 # generate's "parameters") instead of input tensors.
 _SWITCHES = ("stream", "exclude_input_in_output", "return_finish_reason",
              "return_num_input_tokens", "return_num_output_tokens",
              "return_cumulative_logprob", "return_logprobs")
+# vllm_backend's key since late 2025 and the older one (Triton's OpenAI frontend still
+# sends it for tool_choice); the same object under either, or its JSON text.
+_STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
 
 
 @dataclass(slots=True)
@@ -86,6 +91,10 @@ def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...]
     for name, value in params.items():
         if name in ignore:
             continue
+        if name in _STRUCTURED_OUTPUT_KEYS:
+            if value is not None:
+                kwargs["structured_outputs"] = _structured_outputs(name, value, kwargs)
+            continue
         if name in _ONLY_DEFAULT:
             expected = _ONLY_DEFAULT[name]
             conv = client_value(name, value, "bool" if isinstance(expected, bool) else "float")
@@ -98,6 +107,27 @@ def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...]
         kwargs[name] = client_value(name, value, _SAMPLING_FIELDS[name])
     try:
         return SamplingParams(**kwargs)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def _structured_outputs(name: str, value: Any, kwargs: dict[str, Any]) -> StructuredOutputsParams:
+    if "structured_outputs" in kwargs:
+        raise InvalidRequest("send structured_outputs or guided_decoding, not both")
+    try:
+        return StructuredOutputsParams.from_client(name, value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+
+
+def compile_structured_output(compiler: GrammarCompiler, params: SamplingParams) -> None:
+    """Compile a constrained request's grammar on the calling thread (Triton's execute
+    thread), so the engine thread finds it cached; an invalid schema, regex or grammar
+    is the client's error."""
+    if params.structured_outputs is None:
+        return
+    try:
+        compiler.compile(params.structured_outputs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 

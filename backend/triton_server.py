@@ -30,6 +30,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVER_DIR = REPO_ROOT / ".triton" / "server"
+# The Python-based backend of model_repository/llm (`backend: "tle"`).
+BACKEND_NAME = "tle"
+BACKEND_MODEL_PY = REPO_ROOT / "backend" / "triton_backend" / "model.py"
 
 
 def _pytriton_root() -> Path:
@@ -45,15 +48,15 @@ def wheel_libs_dir() -> Path:
 
 
 def prepare_server_dir(target: Path = DEFAULT_SERVER_DIR) -> Path:
-    """Lay out bin/ and backends/ with the stub for this Python, once.
+    """Lay out bin/ and backends/ with the stub for this Python, once (`tle`: each call).
 
     The wheel keeps one stub per Python version in python_backend_stubs/; the python
     backend looks for triton_python_backend_stub inside its own folder, so the stub
-    matching the venv's interpreter is copied there. A marker file makes later calls
-    free (the warm path of serve)."""
+    matching the venv's interpreter is copied there; a marker makes later calls cheap."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     marker = target / f".ready-{version}"
     if marker.exists():
+        install_backend(target)
         return target
     source = _pytriton_root() / "tritonserver"
     stub = source / "python_backend_stubs" / version / "triton_python_backend_stub"
@@ -65,8 +68,21 @@ def prepare_server_dir(target: Path = DEFAULT_SERVER_DIR) -> Path:
     shutil.copy2(stub, staging / "backends" / "python" / "triton_python_backend_stub")
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
+    install_backend(target)
     marker.touch()
     return target
+
+
+def install_backend(server_dir: Path) -> None:
+    """backends/tle/model.py: Triton runs a backend folder holding a model.py as a
+    Python-based backend. Replaced by a rename, and only when this checkout's differs."""
+    target = server_dir / "backends" / BACKEND_NAME / "model.py"
+    source = BACKEND_MODEL_PY.read_bytes()
+    if not target.is_file() or target.read_bytes() != source:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_name(f".model.py.{os.getpid()}")
+        partial.write_bytes(source)
+        os.replace(partial, target)
 
 
 def free_port() -> int:

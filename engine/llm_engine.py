@@ -13,9 +13,11 @@ from engine.cpu_threads import configure_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
 from engine.models import load_model
+from engine.parallel_sampling import ParallelSampling, fan_out
 from engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
                             RequestStatus, SamplingParams)
 from engine.sampler import SamplingError
+from engine.structured_output import GrammarCompiler, RequestGrammar
 from engine.scheduler import Scheduler, SchedulerOutput
 from kernels import cpu_features
 
@@ -75,7 +77,11 @@ class LLMEngine:
         if self._threads is not None:
             self._threads.adapt()
         self.eos_token_ids = tuple(loaded.eos_token_ids)
+        # Also called by the backend on Triton's execute thread (see GrammarCompiler).
+        self.grammar_compiler = GrammarCompiler(self.tokenizer, loaded.vocab_size,
+                                                self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
+        self._parallel = ParallelSampling()
         self.prompt_tokens_total = 0
         logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
                     "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
@@ -115,8 +121,10 @@ class LLMEngine:
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None) -> None:
         params = params or SamplingParams()
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        sequences = fan_out(request_id, params)
+        for rid in {request_id, *(rid for rid, _ in sequences)}:
+            if rid in self._tracked or rid in self._parallel:
+                raise ValueError(f"request id {rid!r} is already in use")
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
@@ -137,24 +145,36 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.stop_token_ids must be < vocab size {vocab}")
         if any(t >= vocab for q in params.stop_token_sequences for t in q):
             raise ValueError(f"SamplingParams.stop_token_sequences must be < vocab size {vocab}")
-        request = Request(request_id, token_ids, params, priority=priority,
-                          arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
-                          cache_salt=cache_salt,
-                          detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params))
-        if params.max_tokens is None:
-            request.max_tokens = max_model_len - len(token_ids)
-        self.scheduler.add_request(request)
-        want_logprobs = params.logprobs is not None
-        self._tracked[request_id] = _Tracked(request, prompt_text, 0.0 if want_logprobs else None,
-                                             [] if want_logprobs else None)
+        # Before any sequence exists, so an invalid spec adds nothing; a cache hit when
+        # the backend compiled it already.
+        compiled_grammar = (None if params.structured_outputs is None
+                            else self.grammar_compiler.compile(params.structured_outputs))
+        # n > 1: added back to back, so the later children hit the first one's prompt blocks.
+        for rid, seq_params in sequences:
+            request = Request(rid, token_ids, seq_params, priority=priority,
+                              arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
+                              cache_salt=cache_salt, detokenizer=IncrementalDetokenizer(
+                                  self.tokenizer, token_ids, seq_params))
+            if compiled_grammar is not None:
+                request.grammar = RequestGrammar.start(compiled_grammar)
+            if params.max_tokens is None:
+                request.max_tokens = max_model_len - len(token_ids)
+            self.scheduler.add_request(request)
+            want_logprobs = params.logprobs is not None
+            self._tracked[rid] = _Tracked(request, prompt_text, 0.0 if want_logprobs else None,
+                                          [] if want_logprobs else None)
+        self._parallel.track(request_id, prompt_text, token_ids, params,
+                             [rid for rid, _ in sequences])
+        # The prompt as received, once per request whatever n is.
         self.prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        aborted = self.scheduler.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
-        return [self._output(self._tracked.pop(r.request_id)) for r in aborted
-                if r.request_id in self._tracked]
+        aborted = self.scheduler.finish_requests(self._parallel.sequence_ids(request_ids),
+                                                 RequestStatus.FINISHED_ABORTED)
+        return self._parallel.merge([self._output(self._tracked.pop(r.request_id))
+                                     for r in aborted if r.request_id in self._tracked])
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -194,13 +214,16 @@ class LLMEngine:
             output = self._output(tracked)
             if output.finished or output.outputs[0].delta_token_ids:
                 outputs.append(output)
-        return outputs
+        return self._parallel.merge(outputs)
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> EngineStepError:
         """Abort whom the failure is attributable to and return the error to raise."""
         scheduled = sched_out.scheduled_requests
         culprits = set(exc.failed_request_ids) if isinstance(exc, SamplingError) else set()
-        failed = [r.request_id for r in scheduled if r.request_id in culprits]
+        # A failed sequence fails its whole request: siblings go too, reported by parent id.
+        failed = self._parallel.sequence_ids(r.request_id for r in scheduled
+                                             if r.request_id in culprits)
+        client_ids = self._parallel.client_ids(failed)
         if failed:
             # The forward ran to the end, so every K/V of the step is written; only these
             # rows' sampling is broken. The others resample next step.
@@ -208,18 +231,21 @@ class LLMEngine:
                          "step carry on", failed, len(scheduled) - len(failed), exc_info=exc)
             self._abort_failed(failed)
             self.scheduler.retry_sampling(scheduled)
-            return EngineStepError(f"sampling failed for request(s) {failed}: {exc}", failed)
-        failed = [r.request_id for r in scheduled]
+            return EngineStepError(f"sampling failed for request(s) {client_ids}: {exc}",
+                                   client_ids)
+        failed = self._parallel.sequence_ids(r.request_id for r in scheduled)
+        client_ids = self._parallel.client_ids(failed)
         logger.exception("engine step failed; aborting %d requests", len(failed))
         self._abort_failed(failed)
         # Blocks registered at allocation may never have been written.
         self.scheduler.kv_cache_manager.reset_prefix_cache()
-        return EngineStepError(f"model execution failed: {exc}", failed)
+        return EngineStepError(f"model execution failed: {exc}", client_ids)
 
     def _abort_failed(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for rid in request_ids:
             self._tracked.pop(rid, None)
+        self._parallel.forget(request_ids)
 
     def _output(self, tracked: _Tracked) -> RequestOutput:
         request = tracked.request

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from engine.stop_strings import check_stop_limits
+from engine.structured_output import RequestGrammar, StructuredOutputsParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -28,6 +29,10 @@ class RequestStatus(enum.IntEnum):
 SEED_MIN = -(2 ** 63)
 SEED_MAX = 2 ** 64 - 1
 
+# Each of n sequences is a request of its own (a running slot, its own KV tail); the
+# cap keeps one client from filling a quarter of the default max_num_seqs (64) alone.
+MAX_N = 16
+
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -38,6 +43,8 @@ _FINISH_REASONS = {
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int | None = 16
+    # Parallel sampling: n sequences for one prompt (engine/parallel_sampling.py).
+    n: int = 1
     temperature: float = 1.0
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -56,6 +63,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     skip_special_tokens: bool = True
+    # Output held to a JSON schema / regex / choice / EBNF grammar / any JSON (a dict is
+    # read as vLLM's StructuredOutputsParams); compiled when the request is added.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
@@ -81,6 +91,8 @@ class SamplingParams:
         # whole rows into nan (temperature=inf with a min_tokens mask gave -inf/inf).
         _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
                "max_tokens", "must be an integer >= 1", self.max_tokens)
+        _check(_is_int(self.n) and 1 <= self.n <= MAX_N, "n", f"must be an integer in [1, {MAX_N}]",
+               self.n)
         _check(_is_finite(self.temperature) and self.temperature >= 0, "temperature",
                "must be a finite number >= 0", self.temperature)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "must be -1, 0 or a positive integer",
@@ -112,6 +124,13 @@ class SamplingParams:
                "frequency_penalty", "must be in [-2, 2]", self.frequency_penalty)
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, "must be a boolean", getattr(self, name))
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams.from_client(
+                "structured_outputs", self.structured_outputs)
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams or a dict",
+               self.structured_outputs)
 
     @property
     def has_penalties(self) -> bool:
@@ -153,7 +172,8 @@ class Request:
                  "eos_token_ids", "stop_token_ids", "stop_sequences_by_last", "detokenizer",
                  "cache_salt", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_cached_tokens", "status", "num_preemptions", "stop_reason",
-                 "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens")
+                 "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens",
+                 "grammar")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
@@ -197,6 +217,8 @@ class Request:
         self.first_scheduled_time: float | None = None  # first admission: ends its queue time
         self.block_hashes: list[int] = []  # hashes of this request's full blocks, chained
         self.max_tokens = self.sampling_params.max_tokens
+        # Set by the engine for a structured_outputs request; stop_checker advances it.
+        self.grammar: RequestGrammar | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -1,10 +1,12 @@
-"""Batched token sampling: penalties, min_tokens, temperature, min-p, top-k, top-p, seeds, logprobs."""
+"""Batched token sampling: grammar masks, penalties, min_tokens, temperature, min-p, top-k,
+top-p, seeds, logprobs."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from engine.grammar_bitmask import apply_bitmask
 from engine.request import Request
 from engine.sampling_metadata import PenaltyTensors, SamplerState, SamplingMetadata
 from kernels import dispatch
@@ -36,7 +38,8 @@ class Sampler:
 
     Rows are independent, so one request's parameters must never fail the batch. Inputs
     are made safe when the metadata is built; should something still raise, each row is
-    re-run alone to name the culprits (only on that failure path: the batch pays nothing)."""
+    re-run alone to name the culprits (only on that failure path: the batch pays nothing).
+    The logits are the call's own: structured-output rows are masked in them in place."""
 
     def __init__(self, seed: int | None = None) -> None:
         self.state = SamplerState()
@@ -66,12 +69,19 @@ class Sampler:
     def _sample_batch(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
         if metadata.argmax_only:
             # A fused bf16 argmax skips upcasting [N, vocab] logits (~3x faster on CPU).
+            if metadata.grammar_rows is not None:
+                # In place (see the class docstring): copying the rows cost as much again
+                # as masking them.
+                apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
             return SamplerOutput(dispatch.argmax_rows(logits), None, None, None)
-        logprobs = None
-        if metadata.max_num_logprobs is not None:
-            logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)
         # A private float32 copy: everything below edits it in place.
         logits = logits.to(torch.float32, copy=True)
+        if metadata.grammar_rows is not None:
+            # First, as in vLLM: logprobs of a constrained row are over what it may emit.
+            apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+        logprobs = None
+        if metadata.max_num_logprobs is not None:
+            logprobs = torch.log_softmax(logits, dim=-1)
         if metadata.min_tokens_rows is not None:
             logits.index_put_((metadata.min_tokens_rows, metadata.min_tokens_token_ids),
                               torch.tensor(_NEG_INF, device=logits.device))

@@ -6,7 +6,9 @@ from dataclasses import dataclass, field
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from engine.grammar_bitmask import BitmaskFiller
 from engine.request import Request
+from engine.structured_output import RequestGrammar
 
 # Below this a temperature is treated as greedy: dividing by it would overflow the logits.
 GREEDY_TEMPERATURE_EPS = 1e-5
@@ -48,6 +50,7 @@ class SamplerState:
     generators: dict[str, torch.Generator] = field(default_factory=dict)
     prompt_ids: dict[str, torch.Tensor] = field(default_factory=dict)
     output_ids: dict[str, _GrowingTokenIds] = field(default_factory=dict)
+    bitmask_filler: BitmaskFiller = field(default_factory=BitmaskFiller)
 
     def prompt_tensor(self, request: Request) -> torch.Tensor:
         ids = self.prompt_ids.get(request.request_id)
@@ -109,6 +112,10 @@ class SamplingMetadata:
     min_tokens_rows: torch.Tensor | None  # [M] int64
     min_tokens_token_ids: torch.Tensor | None  # [M] int64
     max_num_logprobs: int | None  # None: no row asks for logprobs
+    # Structured-output rows (ascending) and the tokens their grammars allow next: int32
+    # [N, ceil(vocab/32)], filled at those rows only. None when no row is constrained.
+    grammar_rows: list[int] | None = None
+    grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
     def build(cls, requests: list[Request], vocab_size: int, device: torch.device | str,
@@ -126,6 +133,8 @@ class SamplingMetadata:
         mask_rows: list[int] = []
         mask_ids: list[int] = []
         max_logprobs: int | None = None
+        grammar_rows: list[int] = []
+        grammars: list[RequestGrammar] = []
         any_random = any_greedy = use_top_k = use_top_p = use_min_p = False
 
         for row, req in enumerate(requests):
@@ -149,7 +158,12 @@ class SamplingMetadata:
                 penalty_rows.append(row)
             if p.logprobs is not None:
                 max_logprobs = max(max_logprobs or 0, p.logprobs)
-            if p.min_tokens and req.num_output_tokens < p.min_tokens:
+            if req.grammar is not None:
+                # The grammar alone decides where the output may end: under min_tokens
+                # its EOS, once the only token it allows, would leave nothing to sample.
+                grammar_rows.append(row)
+                grammars.append(req.grammar)
+            elif p.min_tokens and req.num_output_tokens < p.min_tokens:
                 for tok in req.stop_token_ids:
                     if 0 <= tok < vocab_size:
                         mask_rows.append(row)
@@ -157,9 +171,12 @@ class SamplingMetadata:
 
         all_greedy = not any_random
         argmax_only = all_greedy and not penalty_rows and not mask_rows and max_logprobs is None
+        bitmask = (state.bitmask_filler.fill(grammars, grammar_rows, n, vocab_size)
+                   if grammars else None)
+        grammar = dict(grammar_rows=grammar_rows or None, grammar_bitmask=bitmask)
         if argmax_only:
             return cls(n, vocab_size, list(requests), True, True, None, None, None, None, None, [],
-                       None, None, None, None)
+                       None, None, None, None, **grammar)
 
         def f32(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -185,6 +202,7 @@ class SamplingMetadata:
             min_tokens_token_ids=(torch.tensor(mask_ids, dtype=torch.long, device=device)
                                   if mask_rows else None),
             max_num_logprobs=max_logprobs,
+            **grammar,
         )
 
 

@@ -6,9 +6,11 @@
 
 Ports and host may also come from TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT / TRITON_HOST. --model and --param override the engine models'
-(llm, tensorrt_llm) config.pbtxt parameters in a copy of the repository under .triton/;
---model is the one place to set the model: preprocessing and postprocessing take
-their tokenizer from tensorrt_llm's config (backend/tokenizer_source.py).
+(llm, tensorrt_llm) config.pbtxt parameters in a copy of the repository under .triton/
+(config.pbtxt parameters win over a model.json); --model is the one place to set the
+model: preprocessing and postprocessing take their tokenizer from tensorrt_llm's config
+(backend/tokenizer_source.py). The server folder it prepares (.triton/server) holds the
+`tle` backend that `llm` runs on (backend/triton_server.py install_backend).
 
 SIGTERM or SIGINT (Ctrl-C) stops tritonserver gracefully: it refuses new requests, lets
 in-flight ones finish, unloads the models, and serve exits with status 0 as soon as it

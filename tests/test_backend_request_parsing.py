@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
 
-from backend.request_parsing import InvalidRequest, parse_llm_request, parse_sampling_parameters
+from backend.request_parsing import (InvalidRequest, compile_structured_output, parse_llm_request,
+                                     parse_sampling_parameters)
+from engine.structured_output import GrammarCompiler
 
 
 def tensors(prompt="hi", sampling=None, **flags):
@@ -40,7 +43,8 @@ def test_typed_values_and_single_stop_string():
     ({"max_tokens": 2.5}, "max_tokens"),
     ({"max_tokens": True}, "max_tokens"),
     ({"ignore_eos": "maybe"}, "ignore_eos"),
-    ({"n": 2}, "'n'"),
+    ({"best_of": 2}, "'best_of'"),
+    ({"n": 0}, "SamplingParams.n "),
     ({"use_beam_search": "true"}, "use_beam_search"),
     ({"stop": [1]}, "stop"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
@@ -121,3 +125,57 @@ def test_priority_from_sampling_parameters_request_parameters_or_input():
 def test_bad_priority_is_named(value):
     with pytest.raises(InvalidRequest, match="priority"):
         parse_llm_request(tensors(sampling={"priority": value}))
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("key", ["structured_outputs", "guided_decoding"])
+@pytest.mark.parametrize("as_text", [False, True], ids=["object", "json_text"])
+def test_structured_outputs_under_either_key_as_object_or_text(key, as_text):
+    spec = {"json": SCHEMA, "disable_any_whitespace": True}
+    r = parse_llm_request(tensors(sampling={key: json.dumps(spec) if as_text else spec,
+                                            "max_tokens": 9}))
+    so = r.params.structured_outputs
+    assert so.kind == "json" and so.json == SCHEMA and so.disable_any_whitespace
+    for spec, kind in (({"regex": "[0-9]+"}, "regex"), ({"choice": ["a", "b"]}, "choice"),
+                       ({"grammar": 'root ::= "x"'}, "grammar"), ({"json_object": True}, "json_object")):
+        assert parse_sampling_parameters({key: spec}).structured_outputs.kind == kind
+
+
+def test_triton_openai_frontend_guided_decoding_is_accepted():
+    # What the frontend sends for tool_choice: vLLM's whole GuidedDecodingParams, as JSON text.
+    sent = {"json": SCHEMA, "regex": None, "choice": None, "grammar": None, "json_object": None,
+            "backend": None, "backend_was_auto": False, "disable_fallback": False,
+            "disable_any_whitespace": False, "disable_additional_properties": False,
+            "whitespace_pattern": None, "structural_tag": None}
+    p = parse_sampling_parameters({"guided_decoding": json.dumps(sent), "max_tokens": 4})
+    assert p.structured_outputs.json == SCHEMA
+    assert parse_sampling_parameters({"guided_decoding": None}).structured_outputs is None
+
+
+@pytest.mark.parametrize("sampling,fragment", [
+    ({"structured_outputs": {"regex": "a"}, "guided_decoding": {"regex": "a"}}, "not both"),
+    ({"guided_decoding": {"regex": "a", "choice": ["a"]}}, "guided_decoding needs exactly one"),
+    ({"guided_decoding": {"regx": "a"}}, "guided_decoding.regx"),
+    ({"structured_outputs": "{bad"}, "structured_outputs is not valid JSON"),
+    ({"structured_outputs": ["a"]}, "structured_outputs must be a JSON object"),
+    ({"structured_outputs": {"choice": "ab"}}, "structured_outputs.choice"),
+    ({"guided_decoding": {"regex": "a", "backend": "outlines"}}, "guided_decoding.backend"),
+])
+def test_malformed_structured_outputs_are_invalid_arg_naming_the_field(sampling, fragment):
+    with pytest.raises(InvalidRequest, match=re.escape(fragment)):
+        parse_llm_request(tensors(sampling=sampling))
+
+
+def test_an_invalid_schema_is_invalid_arg_before_the_engine():
+    from engine.models import load_tokenizer
+    compiler = GrammarCompiler(load_tokenizer(None), 49152, (2,))
+    for spec, field in (({"json": {"type": "nonsense"}}, "structured_outputs.json"),
+                        ({"regex": "(a"}, "structured_outputs.regex"),
+                        ({"grammar": "root ::= "}, "structured_outputs.grammar")):
+        params = parse_sampling_parameters({"guided_decoding": spec})
+        with pytest.raises(InvalidRequest, match=re.escape(field)):
+            compile_structured_output(compiler, params)
+    compile_structured_output(compiler, parse_sampling_parameters({"max_tokens": 3}))
+    compile_structured_output(compiler, parse_sampling_parameters({"guided_decoding": {"json": SCHEMA}}))

@@ -1,6 +1,8 @@
 """Constants and helpers shared by the e2e tests and their server fixture."""
 from __future__ import annotations
 
+import contextlib
+
 # Engine arguments shared by the served models and the in-process references, so
 # greedy outputs must match token for token. fp32 keeps batched and single-sequence
 # numerics close enough that greedy argmax never flips on the random weights.
@@ -22,3 +24,20 @@ def greedy(max_tokens: int, **extra):
     from engine import SamplingParams
 
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **extra)
+
+
+@contextlib.contextmanager
+def running_server(repo, work, load=(), timeout: float = 420):
+    """A real tritonserver on `repo` in explicit model-control mode (each test loads what
+    it needs, and a model that fails to load leaves the others up), stopped on exit."""
+    from backend.triton_server import ServerPorts, TritonServer
+
+    handle = TritonServer(repo, ServerPorts.free(), log_path=work / "tritonserver.log",
+                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
+                                      *[f"--load-model={name}" for name in load]])
+    handle.start()
+    try:
+        handle.wait_ready(timeout=timeout)
+        yield handle
+    finally:
+        handle.stop()

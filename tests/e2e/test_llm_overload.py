@@ -18,8 +18,8 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from backend.repository_layout import copy_repository
-from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
-from tests.e2e.shared import PROMPTS, TINY_ENGINE_ARGS, greedy
+from backend.triton_server import REPO_ROOT, TritonServer
+from tests.e2e.shared import PROMPTS, TINY_ENGINE_ARGS, running_server, greedy
 from tests.e2e.triton_clients import llm_inputs, tensors_to_inputs
 
 pytestmark = pytest.mark.slow
@@ -42,15 +42,8 @@ def explicit_server(tmp_path_factory, tiny_model_dir):
     repo = copy_repository(REPO_ROOT / "model_repository", work / "models", models=[],
                            renames={name: "llm" for name in MODELS},
                            params={name: {**tiny, **extra} for name, extra in MODELS.items()})
-    handle = TritonServer(repo, ServerPorts.free(), log_path=work / "tritonserver.log",
-                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15",
-                                      *[f"--load-model={name}" for name in MODELS]])
-    handle.start()
-    try:
-        handle.wait_ready(timeout=420)
+    with running_server(repo, work, load=MODELS) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 def rejected_total(server: TritonServer, model: str) -> float:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from backend.repository_layout import copy_repository
-from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
-from tests.e2e.shared import TINY_ENGINE_ARGS
+from backend.triton_server import REPO_ROOT
+from tests.e2e.shared import TINY_ENGINE_ARGS, running_server
 
 pytestmark = pytest.mark.slow
 
@@ -27,14 +27,8 @@ def explicit_server(tmp_path_factory, tiny_model_dir):
         REPO_ROOT / "model_repository", work / "models", models=["llm"],
         renames={name: "llm" for name in BAD_MODELS},
         params={"llm": tiny, **{name: {**tiny, **overrides} for name, (overrides, _) in BAD_MODELS.items()}})
-    handle = TritonServer(repo, ServerPorts.free(), log_path=work / "tritonserver.log",
-                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15"])
-    handle.start()
-    try:
-        handle.wait_ready(timeout=300)
+    with running_server(repo, work, timeout=300) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 def test_bad_models_fail_to_load_and_server_serves_a_good_one(explicit_server):

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from backend.repository_layout import copy_repository
-from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
+from backend.triton_server import REPO_ROOT
+from tests.e2e.shared import running_server
 
 pytestmark = pytest.mark.slow
 
@@ -22,14 +23,8 @@ def tokenizer_server(tmp_path_factory, tiny_model_dir):
         params={"tensorrt_llm": {"model": str(tiny_model_dir)},
                 "preprocessing_mismatch": {"tokenizer": str(work)},
                 "preprocessing_orphan": {"engine_model": "no_such_model"}})
-    handle = TritonServer(repo, ServerPorts.free(), log_path=work / "tritonserver.log",
-                          extra_args=["--model-control-mode=explicit", "--exit-timeout-secs=15"])
-    handle.start()
-    try:
-        handle.wait_ready(timeout=300)
+    with running_server(repo, work, timeout=300) as handle:
         yield handle
-    finally:
-        handle.stop()
 
 
 def test_tokenizer_models_follow_the_engine_model_or_fail_naming_both(tokenizer_server, tiny_model_dir):

@@ -1,0 +1,239 @@
+"""vllm_backend model folders on a real tritonserver, with only the backend line changed
+to `tle` (its own server, explicit model control, models loaded one test at a time).
+
+- vllm_model: vllm_backend's current sample (config.pbtxt: backend + instance_group;
+  model.json: model, disable_log_requests, gpu_memory_utilization, enforce_eager) loads
+  with an auto-completed config and answers vllm_backend's client shapes;
+  vllm_model_v1: its older sample, which declares some tensors itself (`stream` required);
+  default_model: the same without `model`: the embedded SmolLM2.
+- bad_*: model.json errors fail that model's load naming the key; others still load.
+- pbtxt_wins: a config.pbtxt parameter beats model.json's value, seen in
+  vllm:cache_config_info's labels.
+- legacy_llm: a `backend: "python"` folder with 1/model.py, as this project shipped before."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from backend.triton_server import TritonServer
+from tests.e2e.shared import TINY_ENGINE_ARGS, running_server
+from tests.e2e.triton_clients import infer_one, llm_inputs
+
+pytestmark = pytest.mark.slow
+
+SAMPLE_CONFIG = """backend: "tle"
+
+# The usage of device is deferred to the vLLM engine
+instance_group [
+  {
+    count: 1
+    kind: KIND_MODEL
+  }
+]
+"""
+OLDER_SAMPLE_CONFIG = """name: "vllm_model_v1"
+backend: "tle"
+max_batch_size: 0
+model_transaction_policy {
+  decoupled: True
+}
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] },
+  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true }
+]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_MODEL } ]
+"""
+LEGACY_CONFIG = """backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+  { name: "exclude_input_in_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+LEGACY_MODEL_PY = "from backend.llm_model import LLMModel as TritonPythonModel  # noqa: F401\n"
+SAMPLE_JSON = {"disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}
+PBTXT_BLOCK_SIZE, PBTXT_BLOCKS = 32, 40
+# model name -> (model.json text, fragment the load error must contain)
+BAD = {
+    "bad_unknown": ({"max_num_seq": 4}, "'max_num_seq'"),
+    "bad_unsupported": ({"tensor_parallel_size": 2}, "'tensor_parallel_size'"),
+    "bad_value": ({"max_num_seqs": "lots"}, "'max_num_seqs'"),
+    "bad_json": ('{"max_num_seqs": 4,', "model.json"),
+}
+
+
+def _parameters(params: dict[str, str]) -> str:
+    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
+                   for k, v in params.items())
+
+
+def _model(repo: Path, name: str, config: str, model_json: dict | str | None = None,
+           model_py: str | None = None) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    if model_json is not None:
+        text = model_json if isinstance(model_json, str) else json.dumps(model_json, indent=2)
+        (repo / name / "1" / "model.json").write_text(text)
+    if model_py is not None:
+        (repo / name / "1" / "model.py").write_text(model_py)
+
+
+@pytest.fixture(scope="module")
+def dropin_server(tmp_path_factory, tiny_model_dir):
+    work = tmp_path_factory.mktemp("triton-dropin")
+    repo = work / "models"
+    tiny = str(tiny_model_dir)
+    _model(repo, "vllm_model", SAMPLE_CONFIG, {"model": tiny, **SAMPLE_JSON})
+    _model(repo, "vllm_model_v1", OLDER_SAMPLE_CONFIG, {"model": tiny, **SAMPLE_JSON})
+    _model(repo, "default_model", SAMPLE_CONFIG, SAMPLE_JSON)
+    for name, (model_json, _) in BAD.items():
+        _model(repo, name, SAMPLE_CONFIG, model_json if isinstance(model_json, str)
+               else {"model": tiny, **model_json})
+    _model(repo, "pbtxt_wins", SAMPLE_CONFIG + _parameters(
+        {"block_size": PBTXT_BLOCK_SIZE, "num_kv_blocks": PBTXT_BLOCKS, "REPORT_CUSTOM_METRICS": "true"}),
+        {"model": tiny, "block_size": 8, "num_gpu_blocks_override": 100, "max_model_len": 512,
+         "enforce_eager": True})
+    _model(repo, "legacy_llm", LEGACY_CONFIG + _parameters({"model": tiny, **TINY_ENGINE_ARGS}),
+           model_py=LEGACY_MODEL_PY)
+    with running_server(repo, work, timeout=300) as handle:
+        yield handle
+
+
+def _client(server: TritonServer) -> grpcclient.InferenceServerClient:
+    return grpcclient.InferenceServerClient(server.grpc_url)
+
+
+def test_sample_folder_loads_auto_completed_and_answers_vllm_backend_clients(dropin_server):
+    client = _client(dropin_server)
+    client.load_model("vllm_model")
+    try:
+        config = client.get_model_config("vllm_model", as_json=True)["config"]
+        assert config["backend"] == "tle" and config["model_transaction_policy"]["decoupled"]
+        assert int(config.get("max_batch_size", 0)) == 0
+        inputs = {i["name"]: i for i in config["input"]}
+        assert not inputs["text_input"].get("optional") and inputs["stream"]["optional"]
+        assert {"sampling_parameters", "exclude_input_in_output", "return_finish_reason",
+                "return_logprobs", "priority"} <= set(inputs)
+        assert {o["name"] for o in config["output"]} >= {"text_output", "finish_reason", "logprobs"}
+
+        url, prompt, sampling = dropin_server.grpc_url, "The capital of France is", {"max_tokens": 8,
+                                                                                     "temperature": 0}
+        full = infer_one(url, "vllm_model", llm_inputs(prompt, sampling))
+        alone = infer_one(url, "vllm_model", llm_inputs(prompt, sampling, exclude_input_in_output=True))
+        streamed = infer_one(url, "vllm_model", llm_inputs(prompt, sampling, stream=True))
+        assert full.error is None and alone.error is None and streamed.error is None
+        assert full.text == prompt + alone.text and alone.text
+        assert len(streamed.responses) > 1 and streamed.text == alone.text
+
+        flags = {name: True for name in ("return_finish_reason", "return_num_input_tokens",
+                                         "return_num_output_tokens", "return_cumulative_logprob",
+                                         "return_logprobs")}
+        out = infer_one(url, "vllm_model", llm_inputs(prompt, sampling, **flags)).responses[-1]
+        assert out["finish_reason"].reshape(-1)[0] == b"length"
+        assert int(out["num_output_tokens"].reshape(-1)[0]) == 8
+        assert int(out["num_input_tokens"].reshape(-1)[0]) > 0
+        assert float(out["cumulative_logprob"].reshape(-1)[0]) <= 0
+        assert len(json.loads(out["logprobs"].reshape(-1)[0])) == 8
+
+        http = requests.post(f"http://{dropin_server.http_url}/v2/models/vllm_model/generate",
+                             json={"text_input": prompt, "parameters": sampling}, timeout=60)
+        assert http.status_code == 200 and http.json()["text_output"] == full.text
+    finally:
+        client.unload_model("vllm_model")
+
+
+def test_older_sample_keeps_its_declared_tensors(dropin_server):
+    client = _client(dropin_server)
+    client.load_model("vllm_model_v1")
+    try:
+        inputs = {i["name"]: i for i in client.get_model_config("vllm_model_v1", as_json=True)
+                  ["config"]["input"]}
+        assert not inputs["stream"].get("optional")  # declared required: kept as declared
+        assert "return_finish_reason" in inputs  # not declared: completed
+        outcome = infer_one(dropin_server.grpc_url, "vllm_model_v1",
+                            llm_inputs("Hello", {"max_tokens": 4, "temperature": 0}, stream=True))
+        assert outcome.error is None and outcome.text
+    finally:
+        client.unload_model("vllm_model_v1")
+
+
+def test_model_json_without_model_serves_the_embedded_default(dropin_server):
+    client = _client(dropin_server)
+    client.load_model("default_model")
+    try:
+        outcome = infer_one(dropin_server.grpc_url, "default_model",
+                            llm_inputs("The capital of France is", {"max_tokens": 8, "temperature": 0},
+                                       exclude_input_in_output=True))
+        assert outcome.error is None and "Paris" in outcome.text
+    finally:
+        client.unload_model("default_model")
+
+
+def test_model_json_errors_fail_that_load_naming_the_key(dropin_server):
+    client = _client(dropin_server)
+    for name, (_, fragment) in BAD.items():
+        with pytest.raises(InferenceServerException) as failure:
+            client.load_model(name)
+        assert fragment in str(failure.value), str(failure.value)
+        assert not client.is_model_ready(name)
+    assert client.is_server_live()
+    client.load_model("pbtxt_wins")
+    try:
+        assert client.is_model_ready("pbtxt_wins")
+    finally:
+        client.unload_model("pbtxt_wins")
+
+
+def _metric_lines(server: TritonServer, family: str, model: str) -> list[str]:
+    text = requests.get(server.metrics_url, timeout=10).text
+    return [line for line in text.splitlines()
+            if line.startswith(family + "{") and f'model="{model}"' in line]
+
+
+def test_config_pbtxt_beats_model_json_and_cache_config_info_is_exported(dropin_server):
+    client = _client(dropin_server)
+    client.load_model("pbtxt_wins")
+    try:
+        deadline = time.monotonic() + 10
+        while not (info := _metric_lines(dropin_server, "vllm:cache_config_info", "pbtxt_wins")):
+            assert time.monotonic() < deadline, "vllm:cache_config_info not exported"
+            time.sleep(0.2)
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', info[0]))
+        assert labels["block_size"] == str(PBTXT_BLOCK_SIZE)  # model.json said 8
+        assert labels["num_gpu_blocks"] == str(PBTXT_BLOCKS)  # model.json said 100
+        assert info[0].endswith(" 1")
+        outcome = infer_one(dropin_server.grpc_url, "pbtxt_wins",
+                            llm_inputs("Hello", {"max_tokens": 4, "temperature": 0}))
+        assert outcome.error is None and outcome.text
+        for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                      "vllm:kv_cache_usage_perc"):
+            assert _metric_lines(dropin_server, gauge, "pbtxt_wins"), gauge
+        log = dropin_server.log_path.read_text(errors="replace")
+        assert "pbtxt_wins: model.json: accepted and ignored" in log and "enforce_eager" in log
+    finally:
+        client.unload_model("pbtxt_wins")
+
+
+def test_model_py_folders_keep_working(dropin_server):
+    client = _client(dropin_server)
+    client.load_model("legacy_llm")
+    try:
+        outcome = infer_one(dropin_server.grpc_url, "legacy_llm",
+                            llm_inputs("Hello", {"max_tokens": 4, "temperature": 0}, stream=True))
+        assert outcome.error is None and outcome.text
+    finally:
+        client.unload_model("legacy_llm")
