@@ -138,6 +138,8 @@ class ModelRunner:
         users of a fresh server paid it. The requests exist only here; their K/V lands in
         blocks that no request owns yet, so it is never read."""
         bs = self.block_size
+        # The test-only failure switch counts serving steps only.
+        inject, self.inject_failure_at_step = self.inject_failure_at_step, 0
         prefill_len = min(max_num_tokens, 4 * bs)
         num_decodes = max(1, min(max_num_seqs, max_num_tokens - prefill_len))
         prefill = [Request("warm-up-prefill", [0] * prefill_len)]
@@ -152,4 +154,4 @@ class ModelRunner:
                 block_ids={r.request_id: list(range(-(-r.num_tokens // bs))) for r in batch}))
             for request in batch:
                 self.sampler.free(request.request_id)
-        self.num_steps = 0
+        self.num_steps, self.inject_failure_at_step = 0, inject

@@ -298,6 +298,16 @@ def test_abort_frees_blocks_and_failure_switch_aborts_the_step(tiny):
     assert engine.get_stats().kv_cache_usage == 0.0
 
 
+def test_failure_switch_counts_serving_steps_only(tiny):
+    from engine.llm_engine import EngineStepError
+    # Warm-up runs two batches through the runner before serving; they must not count.
+    engine = LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=512,
+                 inject_failure_at_step=1).llm_engine
+    engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=4))
+    with pytest.raises(EngineStepError):
+        engine.step()
+
+
 def test_logprobs_are_returned(tiny):
     llm = LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=512)
     out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=5, logprobs=3,
