@@ -2,9 +2,11 @@
 
 The excess must be refused ('server busy', UNAVAILABLE) without waiting for the queue,
 counted in tle:num_requests_rejected_total, the rest served unchanged, and the server's
-memory must not grow from one burst to the next. A first, unmeasured burst settles what
-the first one allocates once (gRPC buffers, Python arenas); the figures come from the
-bursts after it."""
+memory must not grow from one burst to the next. Unmeasured warm-up bursts settle what is
+allocated once: gRPC buffers, Python arenas, and oneDNN's compiled matmuls, one per
+weight shape and row-count bucket (engine/models/layers.padded_rows), which a server
+builds over its first bursts as it meets new batch sizes. The figures come from the
+bursts after them."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +19,7 @@ from bench.soak_phases import (DRAIN_TIMEOUT_S, PhaseContext, PhaseResult, compa
 from bench.soak_requests import GoodRequest, greedy_request, mixed_requests
 from bench.soak_server import REJECTED, SMALL_QUEUE
 
-MEASURED_BURSTS = 2
+MEASURED_BURSTS = 3
 # Memory "flat": what a burst may leave behind. RSS moves by a few MiB between identical
 # idle moments (arenas, lazily freed pages), hence a floor (SoakConfig.overload_rss_floor_mib).
 GROWTH_PER_REQUEST_BYTES = 16 * 2**10
@@ -43,13 +45,14 @@ def _burst(ctx: PhaseContext, goods: list[GoodRequest], tag: str) -> Burst:
 
 
 def overload_phase(ctx: PhaseContext, queue_len: int, growth_floor_mib: float,
-                   forced_tokens: int = 64) -> PhaseResult:
+                   forced_tokens: int = 64, warm_bursts: int = 6) -> PhaseResult:
     server = ctx.server
     total = 10 * queue_len
     goods = [greedy_request(g.prompt, forced_tokens, forced=True) for g in mixed_requests(total, ctx.rng)]
     expected = ctx.reference.texts(goods)
     rss_cold = server.group_rss_bytes()
-    _burst(ctx, goods, "warm")
+    for n in range(warm_bursts):
+        _burst(ctx, goods, f"warm{n}")
     rss = [server.group_rss_bytes()]
     result = PhaseResult("overload", total * MEASURED_BURSTS)
     served_all, waits, late, example = [], [], [], ""

@@ -16,7 +16,7 @@ STREAMS, QUEUE_LEN, WAITING = 24, 4, 100
 def test_soak_phases_hold_at_small_scale():
     # Bursts of 40 move RSS less than its noise: memory growth is the full-scale run's figure.
     summary = run_soak(SoakConfig(streams=STREAMS, bad_rounds=1, overload_queue_len=QUEUE_LEN,
-                                  overload_rss_floor_mib=64, probe_waiting=WAITING, probe_tokens=300))
+                                  overload_rss_floor_mib=64, overload_warm_bursts=1, probe_waiting=WAITING, probe_tokens=300))
     print(format_summary(summary))
     assert [p.phase for p in summary.phases] == list(PHASES)
     for phase in summary.phases:
