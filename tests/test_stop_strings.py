@@ -12,10 +12,7 @@ from engine.stop_strings import (MAX_STOP_CHARS_TOTAL, MAX_STOP_SEQUENCE_IDS,
                                  MAX_STOP_SEQUENCE_IDS_TOTAL, MAX_STOP_STRING_CHARS,
                                  MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN_SEQUENCES,
                                  StopAutomaton, StopMatcher, check_stop_limits)
-
-
-def delta_text(detok, num_fed, finished=False):
-    return detok.take_delta(num_fed, finished)[0]
+from tests.test_detokenizer import delta_text
 
 
 class CharTokenizer:

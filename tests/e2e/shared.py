@@ -41,3 +41,28 @@ def running_server(repo, work, load=(), timeout: float = 420):
         yield handle
     finally:
         handle.stop()
+
+
+@contextlib.contextmanager
+def loaded(client, name: str):
+    """Model `name` loaded on an explicit-mode server for the block, unloaded after."""
+    client.load_model(name)
+    try:
+        yield
+    finally:
+        client.unload_model(name)
+
+
+def assert_loads_fail(client, fragments_by_model: dict[str, list[str]]) -> None:
+    """Each model fails to load with every fragment in the error, is not ready after, and
+    the server stays live."""
+    from tritonclient.utils import InferenceServerException
+
+    import pytest
+
+    for name, fragments in fragments_by_model.items():
+        with pytest.raises(InferenceServerException) as failure:
+            client.load_model(name)
+        assert all(f in str(failure.value) for f in fragments), str(failure.value)
+        assert not client.is_model_ready(name)
+    assert client.is_server_live()

@@ -20,10 +20,9 @@ from pathlib import Path
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from backend.triton_server import TritonServer
-from tests.e2e.shared import TINY_ENGINE_ARGS, running_server
+from tests.e2e.shared import TINY_ENGINE_ARGS, assert_loads_fail, loaded, running_server
 from tests.e2e.triton_clients import infer_one, llm_inputs
 
 pytestmark = pytest.mark.slow
@@ -119,8 +118,7 @@ def _client(server: TritonServer) -> grpcclient.InferenceServerClient:
 
 def test_sample_folder_loads_auto_completed_and_answers_vllm_backend_clients(dropin_server):
     client = _client(dropin_server)
-    client.load_model("vllm_model")
-    try:
+    with loaded(client, "vllm_model"):
         config = client.get_model_config("vllm_model", as_json=True)["config"]
         assert config["backend"] == "tle" and config["model_transaction_policy"]["decoupled"]
         assert int(config.get("max_batch_size", 0)) == 0
@@ -152,14 +150,11 @@ def test_sample_folder_loads_auto_completed_and_answers_vllm_backend_clients(dro
         http = requests.post(f"http://{dropin_server.http_url}/v2/models/vllm_model/generate",
                              json={"text_input": prompt, "parameters": sampling}, timeout=60)
         assert http.status_code == 200 and http.json()["text_output"] == full.text
-    finally:
-        client.unload_model("vllm_model")
 
 
 def test_older_sample_keeps_its_declared_tensors(dropin_server):
     client = _client(dropin_server)
-    client.load_model("vllm_model_v1")
-    try:
+    with loaded(client, "vllm_model_v1"):
         inputs = {i["name"]: i for i in client.get_model_config("vllm_model_v1", as_json=True)
                   ["config"]["input"]}
         assert not inputs["stream"].get("optional")  # declared required: kept as declared
@@ -167,35 +162,22 @@ def test_older_sample_keeps_its_declared_tensors(dropin_server):
         outcome = infer_one(dropin_server.grpc_url, "vllm_model_v1",
                             llm_inputs("Hello", {"max_tokens": 4, "temperature": 0}, stream=True))
         assert outcome.error is None and outcome.text
-    finally:
-        client.unload_model("vllm_model_v1")
 
 
 def test_model_json_without_model_serves_the_embedded_default(dropin_server):
     client = _client(dropin_server)
-    client.load_model("default_model")
-    try:
+    with loaded(client, "default_model"):
         outcome = infer_one(dropin_server.grpc_url, "default_model",
                             llm_inputs("The capital of France is", {"max_tokens": 8, "temperature": 0},
                                        exclude_input_in_output=True))
         assert outcome.error is None and "Paris" in outcome.text
-    finally:
-        client.unload_model("default_model")
 
 
 def test_model_json_errors_fail_that_load_naming_the_key(dropin_server):
     client = _client(dropin_server)
-    for name, (_, fragment) in BAD.items():
-        with pytest.raises(InferenceServerException) as failure:
-            client.load_model(name)
-        assert fragment in str(failure.value), str(failure.value)
-        assert not client.is_model_ready(name)
-    assert client.is_server_live()
-    client.load_model("pbtxt_wins")
-    try:
+    assert_loads_fail(client, {name: [fragment] for name, (_, fragment) in BAD.items()})
+    with loaded(client, "pbtxt_wins"):
         assert client.is_model_ready("pbtxt_wins")
-    finally:
-        client.unload_model("pbtxt_wins")
 
 
 def _metric_lines(server: TritonServer, family: str, model: str) -> list[str]:
@@ -206,8 +188,7 @@ def _metric_lines(server: TritonServer, family: str, model: str) -> list[str]:
 
 def test_config_pbtxt_beats_model_json_and_cache_config_info_is_exported(dropin_server):
     client = _client(dropin_server)
-    client.load_model("pbtxt_wins")
-    try:
+    with loaded(client, "pbtxt_wins"):
         deadline = time.monotonic() + 10
         while not (info := _metric_lines(dropin_server, "vllm:cache_config_info", "pbtxt_wins")):
             assert time.monotonic() < deadline, "vllm:cache_config_info not exported"
@@ -224,16 +205,11 @@ def test_config_pbtxt_beats_model_json_and_cache_config_info_is_exported(dropin_
             assert _metric_lines(dropin_server, gauge, "pbtxt_wins"), gauge
         log = dropin_server.log_path.read_text(errors="replace")
         assert "pbtxt_wins: model.json: accepted and ignored" in log and "enforce_eager" in log
-    finally:
-        client.unload_model("pbtxt_wins")
 
 
 def test_model_py_folders_keep_working(dropin_server):
     client = _client(dropin_server)
-    client.load_model("legacy_llm")
-    try:
+    with loaded(client, "legacy_llm"):
         outcome = infer_one(dropin_server.grpc_url, "legacy_llm",
                             llm_inputs("Hello", {"max_tokens": 4, "temperature": 0}, stream=True))
         assert outcome.error is None and outcome.text
-    finally:
-        client.unload_model("legacy_llm")
