@@ -23,6 +23,7 @@ RENAMED = {
     "kv_cache_memory_bytes": "kv_cache_memory_bytes",
     "enable_prefix_caching": "enable_prefix_caching",
     "max_logprobs": "max_logprobs",
+    "quantization": "quantization",  # None or "gguf" (EngineConfig checks)
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -70,7 +71,6 @@ UNSUPPORTED = {
     "prefill_context_parallel_size": (1,),
     "decode_context_parallel_size": (1,),
     "enable_expert_parallel": (False,),
-    "quantization": (None,),
     "kv_cache_dtype": ("auto",),
     "cpu_offload_gb": (0,),
     "kv_offloading_size": (None,),

@@ -1,15 +1,20 @@
-"""Offline throughput: this engine's LLM.generate vs HF transformers, same machine,
-same prompts, one run. Prints output tokens/s and the ratios side by side.
+"""Offline throughput: this engine's LLM.generate vs its peers (HF transformers, vLLM's
+CPU build, llama.cpp), same machine, same prompts. The one place these figures come from:
+prints batch and single-stream output tokens/s for every peer, with engine/peer ratios.
 
   python -m bench.bench_generate                      # both workloads, dtype auto (the
                                                       # peers run in the dtype it picks)
   python -m bench.bench_generate --workload fixed --skip-hf
   python -m bench.bench_generate --vllm-python /tmp/vllm-venv/bin/python   # + vLLM CPU (bench/vllm_peer.py),
                                                                            # alternated --rounds times
+  python -m bench.bench_generate --llamacpp-python /tmp/llama-venv/bin/python  # + llama.cpp
+        # (bench/llamacpp_peer.py): the GGUF dequantized to the engine's dtype, and as shipped
 
 Workloads (greedy, ignore_eos so lengths are exact):
   fixed     64 prompts (32-64 tokens) x 128 new tokens  (the peers' workload, DESIGN.md 8)
   variable  64 prompts of 64-512 tokens, outputs drawn uniformly from 16-256 tokens
+  single    one request (the first workload's first prompt) x 128 new tokens, wall time
+            including prefill
 """
 from __future__ import annotations
 
@@ -21,12 +26,14 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
+from engine.models.gguf_cache import default_gguf_path
 from kernels import cpu_features
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
@@ -60,9 +67,10 @@ def make_workload(name: str, tokenizer, seed: int = 0) -> Workload:
     return Workload(name, prompts, outs)
 
 
-def run_engine(llm: LLM, w: Workload, repeat: int) -> float:
+def run_engine(llm: LLM, w: Workload, repeat: int) -> tuple[float, list[int]]:
     """Best of `repeat` runs: the host's speed drifts by +-20% between minutes, and the
-    best run is the one least disturbed. Prefix caching is reset so every run prefills."""
+    best run is the one least disturbed. Prefix caching is reset so every run prefills.
+    Returns tok/s and the first request's first 32 output ids (the peers' greedy check)."""
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
     llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     best = float("inf")
@@ -72,7 +80,7 @@ def run_engine(llm: LLM, w: Workload, repeat: int) -> float:
         outs = llm.generate(w.prompts, params, use_tqdm=False)
         best = min(best, time.perf_counter() - t0)
         assert sum(len(o.outputs[0].token_ids) for o in outs) == w.total_output
-    return w.total_output / best
+    return w.total_output / best, list(outs[0].outputs[0].token_ids)[:32]
 
 
 def run_hf_static(model, w: Workload, batch: int, pad_id: int) -> float:
@@ -102,28 +110,58 @@ def run_hf_single(model, w: Workload, count: int) -> float:
     return produced / (time.perf_counter() - t0)
 
 
-def single_stream(llm: LLM, prompt: list[int], n: int = 128) -> float:
+def single_stream(llm: LLM, prompt: list[int], n: int = 128, repeat: int = 1) -> float:
+    """One request alone: n tokens over its wall time (prefill included), best of repeat."""
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    t0 = time.perf_counter()
-    llm.generate([prompt], params, use_tqdm=False)
-    return n / (time.perf_counter() - t0)
+    best = float("inf")
+    for _ in range(repeat):
+        llm.llm_engine.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        best = min(best, time.perf_counter() - t0)
+    return n / best
+
+
+def run_peer(python: str, script: str, w: Workload, args: list[str], env: dict | None = None) -> dict:
+    """Run bench/<script> in a peer's venv on w's prompts and lengths; its last stdout
+    line is its JSON result."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"prompts": w.prompts, "max_tokens": w.max_tokens}, f)
+    try:
+        done = subprocess.run([python, str(Path(__file__).with_name(script)), f.name, *args],
+                              env=env, capture_output=True, text=True, timeout=3600)
+    finally:
+        os.unlink(f.name)
+    if done.returncode != 0:
+        raise RuntimeError(f"{script} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int, dtype: str) -> dict:
     """vLLM's CPU build in its own venv, same prompts and lengths (bench/vllm_peer.py)."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": w.prompts, "max_tokens": w.max_tokens}, f)
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
-    script = Path(__file__).with_name("vllm_peer.py")
-    done = subprocess.run([python, str(script), f.name, "--model", str(model_dir),
-                           "--repeat", str(repeat), "--dtype", dtype], env=env,
-                          capture_output=True, text=True, timeout=3600)
-    os.unlink(f.name)
-    if done.returncode != 0:
-        raise RuntimeError(f"vLLM peer failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_peer(python, "vllm_peer.py", w, ["--model", str(model_dir), "--repeat", str(repeat),
+                                                "--dtype", dtype], env)
+
+
+def run_llamacpp(python: str, w: Workload, gguf: Path, convert: str | None, repeat: int,
+                 batch_count: int, threads: int) -> dict:
+    """llama.cpp in its own venv (bench/llamacpp_peer.py): the GGUF as shipped, or
+    dequantized to `convert` (F32/BF16/F16) for a same-precision run."""
+    extra = (["--convert", convert] if convert else []) + (["--threads", str(threads)] if threads else [])
+    return run_peer(python, "llamacpp_peer.py", w, ["--gguf", str(gguf), "--repeat", str(repeat),
+                                                    "--batch-count", str(batch_count), *extra])
+
+
+def peer_label(prefix: str, result: dict, num_prompts: int) -> str:
+    if "weights" not in result:
+        return prefix
+    # llama.cpp runs one sequence at a time: its batch figure is the requests in series,
+    # maybe only the first k of them timed.
+    k = result["batch_requests_timed"]
+    return f"{prefix} {result['weights']} (serial{'' if k == num_prompts else f' {k}/{num_prompts}'})"
 
 
 def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
@@ -142,6 +180,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["fixed", "variable", "all"], default="all")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", help="passed to LLM(...) when given (e.g. gguf)")
     ap.add_argument("--hf-batch", type=int, default=64)
     ap.add_argument("--hf-single-count", type=int, default=3,
                     help="requests timed for HF one-at-a-time (tok/s extrapolates)")
@@ -149,14 +188,24 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--vllm-python", help="python of a venv with vllm-cpu (see bench/vllm_peer.py)")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of the engine and of vLLM; best counts")
+    ap.add_argument("--llamacpp-python",
+                    help="python of a venv with llama-cpp-python and gguf (see bench/llamacpp_peer.py)")
+    ap.add_argument("--llamacpp-gguf", nargs="+", choices=["same", "file"], default=["same", "file"],
+                    help="same: the GGUF dequantized to the engine's dtype; file: as shipped")
+    ap.add_argument("--llamacpp-batch-count", type=int, default=8,
+                    help="requests llama.cpp runs (one after another) for its batch figure; 0: all")
+    ap.add_argument("--llamacpp-threads", type=int, default=0,
+                    help="llama.cpp's n_threads (default: every usable CPU; the engine adapts its "
+                         "own count to busy neighbours, llama.cpp does not)")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of the engine and the peers; best counts")
     ap.add_argument("--rounds", type=int, default=2,
-                    help="alternations engine, vLLM, engine, ...: the host's speed drifts over "
+                    help="alternations engine, peers, engine, ...: the host's speed drifts over "
                          "minutes, and alternating keeps one side from getting all the slow ones")
     args = ap.parse_args()
 
+    extra = {"quantization": args.quantization} if args.quantization else {}
     llm = LLM(None, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048)
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, **extra)
     tok = llm.get_tokenizer()
     dtype = str(llm.llm_engine.loaded.dtype).removeprefix("torch.")  # what "auto" chose
     hf = None
@@ -166,41 +215,81 @@ def main() -> None:
                                                   torch_dtype=getattr(torch, dtype)).eval()
         hf.generation_config.eos_token_id = None
 
+    # Peers run in their own venvs, alternated with the engine once per round.
+    peers = []  # (label prefix, run(workload) -> result dict)
+    if args.vllm_python:
+        peers.append(("vLLM CPU", partial(run_vllm, args.vllm_python, model_dir=default_model_dir(),
+                                          repeat=args.repeat, dtype=dtype)))
+    if args.llamacpp_python:
+        same = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
+        for which in args.llamacpp_gguf:
+            peers.append(("llama.cpp", partial(
+                run_llamacpp, args.llamacpp_python, gguf=default_gguf_path(),
+                convert=same if which == "same" else None, repeat=args.repeat,
+                batch_count=args.llamacpp_batch_count, threads=args.llamacpp_threads)))
+
     names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
-    rows = []
-    peer_single = None
+    single_prompt = make_workload(names[0], tok).prompts[0]  # "single" column: 128 tokens after it
+    figs: dict[str, dict[str, float]] = {"engine": {}}  # label -> column -> best tok/s
+    notes: dict[str, str] = {}
+    greedy: dict[str, list[int]] = {}  # label -> first prompt's greedy ids (first workload)
+
+    def record(label: str, column: str, value: float | None) -> None:
+        if value:
+            figs.setdefault(label, {})[column] = max(figs.get(label, {}).get(column, 0.0), value)
+
     for name in names:
         w = make_workload(name, tok)
-        ours, vllm_best = 0.0, None
-        for _ in range(args.rounds if args.vllm_python else 1):
-            ours = max(ours, run_engine(llm, w, args.repeat))
-            if args.vllm_python:
-                vllm = run_vllm(args.vllm_python, w, default_model_dir(), args.repeat, dtype)
-                vllm_best = max(vllm_best or 0.0, vllm["batch_tok_s"])
-                if name == "fixed":
-                    peer_single = max(peer_single or 0.0, vllm["single_tok_s"])
-        static = run_hf_static(hf, w, args.hf_batch, tok.pad_token_id or 0) if hf else None
-        single = run_hf_single(hf, w, args.hf_single_count) if hf else None
-        rows.append((name, ours, static, single, vllm_best))
+        for _ in range(args.rounds if peers else 1):
+            ours, ids = run_engine(llm, w, args.repeat)
+            record("engine", name, ours)
+            if name == names[0]:
+                greedy.setdefault("engine", ids)
+                record("engine", "single", single_stream(llm, single_prompt, 128, args.repeat))
+            for prefix, run in peers:
+                r = run(w)
+                label = peer_label(prefix, r, len(w.prompts))
+                record(label, name, r["batch_tok_s"])
+                if name == names[0]:
+                    record(label, "single", r["single_tok_s"])
+                    greedy.setdefault(label, r["greedy_token_ids_first_prompt"])
+                    if "decode_tok_s" in r:
+                        notes[label] = (f"decode {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s'] * 1e3:.0f}"
+                                        f" ms, {r['threads']} threads ({r['gguf']})")
+        if hf:
+            record(f"HF static (batch {args.hf_batch})", name,
+                   run_hf_static(hf, w, args.hf_batch, tok.pad_token_id or 0))
+            record("HF one at a time", name, run_hf_single(hf, w, args.hf_single_count))
+    if hf:
+        record("HF one at a time", "single", run_hf_single(hf, Workload("single", [single_prompt], [128]), 1))
 
-    nan = float("nan")
+    columns = names + ["single"]
     print(f"\nCPU {cpu_features.detect().describe()}, threads={torch.get_num_threads()} "
-          f"dtype={dtype} (--dtype {args.dtype})  (output tokens/s)")
-    print(f"{'workload':<10}{'engine':>9}{'HF static':>11}{'HF single':>11}{'vLLM CPU':>10}"
-          f"{'vs static':>11}{'vs single':>11}{'vs vLLM':>9}")
-    for name, ours, static, single, vllm in rows:
-        ratio = lambda peer: f"{ours / peer:.2f}x" if peer else "-"  # noqa: E731
-        print(f"{name:<10}{ours:>9.1f}{static or nan:>11.1f}{single or nan:>11.1f}{vllm or nan:>10.1f}"
-              f"{ratio(static):>11}{ratio(single):>11}{ratio(vllm):>9}")
+          f"dtype={dtype} (--dtype {args.dtype}{f', --quantization {args.quantization}' if extra else ''})")
+    print("output tokens/s: batch columns = the 64-request workloads, single = one request x 128 "
+          "tokens; ratio = engine / peer")
+    width = max(len(label) for label in figs) + 2
+    print(f"{'':<{width}}" + "".join(f"{c:>10}{'ratio':>8}" for c in columns))
+    for label, row in figs.items():
+        cells = ""
+        for c in columns:
+            v, e = row.get(c), figs["engine"].get(c)
+            cells += f"{v:>10.1f}" if v else f"{'-':>10}"
+            cells += f"{e / v:>7.2f}x" if v and e and label != "engine" else f"{'':>8}"
+        print(f"{label:<{width}}{cells}")
+    for label, note in notes.items():
+        print(f"  {label}: {note}")
+    for label, ids in greedy.items():
+        if label != "engine":
+            same_prefix = next((i for i, (a, b) in enumerate(zip(ids, greedy["engine"])) if a != b),
+                               min(len(ids), len(greedy["engine"])))
+            print(f"  {label}: greedy ids agree with the engine's for {same_prefix}/{len(ids)} tokens")
 
-    prompt = make_workload("fixed", tok).prompts[0]
-    stream = single_stream(llm, prompt)
-    if peer_single:
-        print(f"\nvLLM CPU single stream: {peer_single:.1f} tok/s")
+    stream = figs["engine"]["single"]
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.runner.model.parameters())
     bw = copy_bandwidth_gbs()
     roofline = bw * 1e9 / weight_bytes
-    print(f"\nsingle stream decode: {stream:.1f} tok/s; roofline {roofline:.1f} tok/s "
+    print(f"\nsingle stream: {stream:.1f} tok/s; decode roofline {roofline:.1f} tok/s "
           f"({weight_bytes / 1e6:.0f} MB weights per step / {bw:.1f} GB/s copy bandwidth) "
           f"= {stream / roofline:.0%} of roofline")
 

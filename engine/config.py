@@ -9,6 +9,7 @@ from engine.values import convert
 
 POLICIES = ("fcfs", "priority")
 DTYPES = ("bfloat16", "float32", "float16", "auto")
+QUANTIZATIONS = (None, "gguf")
 
 
 @dataclass(slots=True)
@@ -68,6 +69,9 @@ class EngineConfig:
     # "auto": bf16 where the CPU computes it natively (AMX, AVX-512 BF16), else float32;
     # on a GPU, the checkpoint's half dtype (models/loader.py resolve_dtype).
     dtype: str = "auto"
+    # None: weights in `dtype`. "gguf": a .gguf model's Q4_0/Q4_1/Q8_0 tensors stay in
+    # their blocks and run through the int8-dot CPU kernel (kernels/cpu/linear_quant.c).
+    quantization: str | None = None
     # "auto": CUDA when torch sees a GPU (Triton kernels), else the CPU (C/torch kernels).
     device: str = "auto"
     seed: int = 0
@@ -85,6 +89,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:

@@ -61,7 +61,7 @@ class LLMEngine:
         self._threads = configure_threads(config.num_threads, cpu_features.detect().num_cpus,
                                           config.torch_device)
         loaded = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
-                            device=config.torch_device)
+                            device=config.torch_device, quantization=config.quantization)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.config = self._resolve(config, loaded)

@@ -1,6 +1,8 @@
 """The one place that picks a kernel: the engine calls these and nothing else in kernels/.
 
-Each op goes, by the device of its tensors:
+Each op goes, by the device of its tensors (the matmuls below are the exceptions: the
+model's Linear layers call oneDNN / torch themselves and ask here only for the cases a
+native kernel does better, and for GGUF-quantized weights):
   CUDA -> the Triton kernel where one exists (paged attention, KV writes), else torch;
   CPU  -> the native C kernel (cpu_native) when it handles the dtype and layout, else torch.
 The torch versions (kernels/reference.py) define every op's semantics. Adding a device or
@@ -13,8 +15,10 @@ Triton module is imported only for CUDA tensors, so CPU deployments never need t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kernels import cpu_native, reference
+from kernels import cpu_linear, cpu_native, reference
+from kernels.gguf_weight import GgufWeight
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -98,3 +102,42 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return reference.argmax_rows(x)
+
+
+# The native row kernel streams W once per call and beats oneDNN's blocked GEMM only
+# while there is no reuse to block for: 20 vs 25 ms per SmolLM2 fp32 token at M = 1,
+# even at M = 2, slower from M = 4 (2-core AVX2 EPYC, DRAM-resident weights).
+DENSE_ROWS_MAX = 2
+
+
+def dense_linear_rows(x: torch.Tensor, weight: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + b by the native row kernel when it is the faster choice (float32 CPU, at
+    most DENSE_ROWS_MAX rows); None otherwise (the caller's matmul runs)."""
+    if x.dim() != 2 or x.shape[0] > DENSE_ROWS_MAX or x.is_cuda:
+        return None
+    return cpu_linear.linear_f32_rows(x, weight, bias)
+
+
+def gguf_kernel_available() -> bool:
+    """Whether gguf_linear runs natively; its torch path dequantizes W on every call,
+    too slow to serve with, so the loader keeps weights dense without it."""
+    return cpu_linear.available()
+
+
+def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b for W in GGUF blocks ([tokens, in] -> [tokens, out], x's dtype). The
+    native kernel quantizes x to int8 per 32-block (as llama.cpp does); the torch path
+    dequantizes W, which is exact but slow (hosts without a C compiler)."""
+    out = cpu_linear.linear_gguf(x, weight, bias)
+    if out is not None:
+        return out
+    return F.linear(x, weight.dequantize().to(x.dtype), bias)
+
+
+def gguf_embedding(token_ids: torch.Tensor, weight: GgufWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of a quantized embedding table, dequantized -> [tokens, hidden] in `dtype`."""
+    out = cpu_linear.dequantize_rows(weight, token_ids)
+    if out is None:
+        out = weight.dequantize(token_ids.long())
+    return out.to(dtype)

@@ -229,3 +229,33 @@ def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor,
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """Index of each row's first maximum, int64."""
     return x.argmax(dim=-1)
+
+
+def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
+    """x rounded as the GGUF kernel sees it: per block of 32, int8 codes round(x / s) with
+    s = max|x| / 127, times s (float32 [rows, k])."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    codes = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (codes * scale).reshape(x.shape[0], -1)
+
+
+def gguf_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """What kernels/cpu/linear_quant.c computes for a GgufWeight (kernels/gguf_weight.py):
+    the codes' part against x quantized per 32-block, the per-block offsets against the
+    block sums of x (exact for Q4_1; of the quantized x for Q4_0, whose offset -8 d
+    belongs with the codes)."""
+    x_hat = quantize_activations_q8(x)
+    dense = weight.dequantize()
+    out = x_hat @ dense.T
+    if weight.offset is not None:
+        rows = x.shape[0]
+        offsets = weight.offset  # [out, nblk]
+        exact = x.float().reshape(rows, -1, 32).sum(-1)
+        rounded = x_hat.reshape(rows, -1, 32).sum(-1)
+        # dense already carries offset * sum(x_hat); swap in the sums the kernel uses
+        if weight.type_name != "Q4_0":
+            out = out + (exact - rounded) @ offsets.T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -33,11 +33,15 @@ def native(request, monkeypatch) -> bool:
 
 
 def assert_same(got: torch.Tensor, expected: torch.Tensor, fused: bool) -> None:
-    """Bit-equal on the torch path; a fused bf16 kernel rounds the same steps as the torch
-    chain, so only float32 summation order and exp's last bit differ (one bf16 ulp, rare)."""
+    """Bit-equal on the torch path; a fused kernel differs from the torch chain only by
+    float32 summation order and exp's last bits: a few float32 ulps, or, since the bf16
+    kernel rounds the same steps as the chain, one bf16 ulp on a rare element."""
     assert got.dtype == expected.dtype and got.shape == expected.shape
     if not fused:
         assert torch.equal(got, expected)
+        return
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         return
     ulp = expected.float().abs().clamp_min(1e-30) * 2.0 ** -7
     assert bool(((got.float() - expected.float()).abs() <= ulp).all())
@@ -56,7 +60,7 @@ def test_add_rms_norm(native, dtype, with_x):
     expected = reference.add_rms_norm(x, expected_residual, weight, 1e-5)
     got = dispatch.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(residual, expected_residual)  # updated in place on both paths
-    assert_same(got, expected, fused=native and dtype == torch.bfloat16)
+    assert_same(got, expected, fused=native)
 
 
 @pytest.mark.parametrize("native", NATIVE, indirect=True)
@@ -65,7 +69,7 @@ def test_silu_mul(native, dtype):
     gate_up = (4 * torch.randn(33, 2 * 384, generator=torch.Generator().manual_seed(0))).to(dtype)
     expected = reference.silu_mul(gate_up)
     assert expected.shape == (33, 384)
-    assert_same(dispatch.silu_mul(gate_up), expected, fused=native and dtype == torch.bfloat16)
+    assert_same(dispatch.silu_mul(gate_up), expected, fused=native)
 
 
 @pytest.mark.parametrize("native", NATIVE, indirect=True)
@@ -138,8 +142,9 @@ def _kernel_imports(path: Path) -> set[str]:
 
 
 def test_engine_reaches_kernels_through_dispatch_only():
-    # The package re-exports dispatch's functions; cpu_features is detection, not a kernel.
-    allowed = {"kernels.dispatch", "kernels.cpu_features"}
+    # The package re-exports dispatch's functions; cpu_features is detection and
+    # gguf_weight a weight format (what the loader builds), not kernels.
+    allowed = {"kernels.dispatch", "kernels.cpu_features", "kernels.gguf_weight"}
     allowed |= {f"kernels.{name}" for name in kernels.__all__}
     sources = sorted(ENGINE.rglob("*.py"))
     assert len(sources) > 10

@@ -34,8 +34,10 @@ def test_vllm_names_reach_the_engine_config():
                              "max_num_seqs": 4, "max_num_batched_tokens": 256, "block_size": 32,
                              "enable_prefix_caching": False, "long_prefill_token_threshold": 64,
                              "scheduling_policy": "priority", "max_logprobs": 5,
-                             "num_gpu_blocks_override": 77, "kv_cache_memory_bytes": 1 << 20})
+                             "num_gpu_blocks_override": 77, "kv_cache_memory_bytes": 1 << 20,
+                             "quantization": "gguf"})
     assert (config.tokenizer, config.dtype, config.seed, config.max_logprobs) == ("/tok", "float16", 7, 5)
+    assert config.quantization == "gguf"
     s, c = config.scheduler, config.cache
     assert (s.max_model_len, s.max_num_seqs, s.max_num_batched_tokens) == (512, 4, 256)
     assert (s.long_prefill_token_threshold, s.policy) == (64, "priority")
@@ -59,15 +61,15 @@ def test_config_pbtxt_parameters_win_over_model_json():
 
 def test_args_without_effect_are_logged_and_unsupported_ones_pass_at_their_off_value():
     _, _, lines = settings({"enforce_eager": False, "swap_space": 4, "tensor_parallel_size": 1,
-                            "quantization": None, "enable_lora": False, "hf_overrides": {}})
+                            "enable_lora": False, "hf_overrides": {}})
     assert len(lines) == 1
-    for name in ("enforce_eager", "swap_space", "tensor_parallel_size", "quantization", "enable_lora"):
+    for name in ("enforce_eager", "swap_space", "tensor_parallel_size", "enable_lora"):
         assert name in lines[0]
 
 
 @pytest.mark.parametrize("data,fragment", [
     ({"tensor_parallel_size": 2}, "'tensor_parallel_size' = 2 is not supported"),
-    ({"quantization": "awq"}, "'quantization'"),
+    ({"quantization": "awq"}, "model.json key 'quantization'"),
     ({"enable_lora": True}, "'enable_lora'"),
     ({"kv_cache_dtype": "fp8"}, "'kv_cache_dtype'"),
     ({"tensor_parallel_size": True}, "'tensor_parallel_size'"),  # true is not 1 here

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_features, dispatch
+from kernels.gguf_weight import GgufWeight
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -43,8 +44,13 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           packed: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+           packed: torch.Tensor | None, quantized: GgufWeight | None = None) -> torch.Tensor:
+    if quantized is not None:
+        return dispatch.gguf_linear(x, quantized, bias)
+    rows_out = dispatch.dense_linear_rows(x, weight, bias)
+    if rows_out is not None:
+        return rows_out
     if packed is not None:
         rows = x.shape[0]
         padded = padded_rows(rows) if x.dim() == 2 else rows
@@ -56,19 +62,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b); W is [out, in], the layout HF checkpoints store."""
+    """y = x W^T (+ b); W is [out, in], the layout HF checkpoints store, or, once
+    `quantize` has run, a GGUF-quantized copy of it (the dense one is dropped)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
         self.weight = empty_param(out_features, in_features, dtype=dtype)
         self.bias = empty_param(out_features, dtype=dtype) if bias else None
         self.packed: torch.Tensor | None = None
+        self.quantized: GgufWeight | None = None
 
     def prepack(self) -> None:
-        self.packed = prepack_weight(self.weight)
+        if self.weight is not None:
+            self.packed = prepack_weight(self.weight)
+
+    def quantize(self, weight: GgufWeight) -> None:
+        if (weight.out_features, weight.in_features) != tuple(self.weight.shape):
+            raise ValueError(f"quantization: weight of shape {(weight.out_features, weight.in_features)} "
+                             f"for a layer of {tuple(self.weight.shape)}")
+        self.quantized, self.packed, self.weight = weight, None, None
+        if self.bias is not None:  # the kernel adds a float32 bias
+            self.bias = nn.Parameter(self.bias.float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.packed)
+        return linear(x, self.weight, self.bias, self.packed, self.quantized)
 
 
 class RMSNorm(nn.Module):

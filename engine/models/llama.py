@@ -15,6 +15,8 @@ from torch import nn
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
 from engine.models.rope import RotaryEmbedding
+from kernels import dispatch
+from kernels.gguf_weight import GgufWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin, positions
@@ -91,6 +93,7 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype)
         self.embed_tokens = nn.Module()
         self.embed_tokens.weight = empty_param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_quantized: GgufWeight | None = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, self.rotary, dtype)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
@@ -99,7 +102,10 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
-        x = F.embedding(input_ids, self.embed_tokens.weight)
+        if self.embed_quantized is not None:
+            x = dispatch.gguf_embedding(input_ids, self.embed_quantized, self.norm.weight.dtype)
+        else:
+            x = F.embedding(input_ids, self.embed_tokens.weight)
         cos_sin = self.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
@@ -126,6 +132,7 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.lm_head_weight = empty_param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.lm_head_packed: torch.Tensor | None = None
+        self.lm_head_quantized: GgufWeight | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -134,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[N, vocab] logits, float32 unless `upcast` is False (the sampler then upcasts
         only when it needs more than an argmax)."""
-        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed)
+        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed,
+                        self.lm_head_quantized)
         return logits.float() if upcast else logits
 
     def prepack(self) -> None:
@@ -143,7 +151,23 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
-        self.lm_head_packed = prepack_weight(self.lm_head_weight)
+        if self.lm_head_weight is not None:
+            self.lm_head_packed = prepack_weight(self.lm_head_weight)
+
+    def quantize(self, weights: dict[str, GgufWeight]) -> None:
+        """Swap dense weights for GGUF-quantized ones, by module name ("lm_head" and
+        "model.embed_tokens" name the output and input tables); dense ones are dropped."""
+        modules = dict(self.named_modules())
+        for name, weight in weights.items():
+            if name == "lm_head":
+                self.lm_head_quantized, self.lm_head_packed, self.lm_head_weight = weight, None, None
+            elif name == "model.embed_tokens":
+                self.model.embed_quantized = weight
+                self.model.embed_tokens.weight = None
+            elif isinstance(modules.get(name), Linear):
+                modules[name].quantize(weight)
+            else:
+                raise ValueError(f"quantization: no linear layer named {name!r}")
 
     def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
         attn = self.model.layers[0].self_attn

@@ -132,12 +132,37 @@ def _max_context(config: Any) -> int:
     return limit
 
 
+def _quantize(net: nn.Module, model: str | os.PathLike | None, quantization: str,
+              device: str | torch.device) -> None:
+    from engine.models.gguf_cache import default_gguf_path
+    from engine.models.gguf_weights import read_quantized
+    from kernels import dispatch
+
+    if quantization != "gguf":
+        raise ValueError(f"quantization: unsupported value {quantization!r} (supported: gguf)")
+    source = default_gguf_path() if model is None or not os.fspath(model) else Path(model)
+    if source.suffix != ".gguf":
+        raise ValueError(f"quantization 'gguf' needs a .gguf model, got {str(model)!r}")
+    if torch.device(device).type != "cpu":
+        raise ValueError(f"quantization 'gguf' runs on the CPU only, not on {device}")
+    if not dispatch.gguf_kernel_available():
+        logger.warning("quantization gguf: the native CPU kernels are unavailable (no C "
+                       "compiler, or the build failed), so the weights stay dequantized")
+        return
+    weights = read_quantized(source, net)
+    net.quantize(weights)
+    logger.info("quantization gguf: %d weight tables kept in their GGUF blocks (%.0f MB)",
+                len(weights), sum(w.nbytes for w in {id(w): w for w in weights.values()}.values()) / 1e6)
+
+
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = "auto",
                tokenizer: str | os.PathLike | None = None,
-               device: str | torch.device = "cpu") -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str | None = None) -> LoadedModel:
     """Build our model from `model` (HF folder, .gguf file, or None for the embedded default).
 
-    `tokenizer`: a folder to take the tokenizer from instead of the model's."""
+    `tokenizer`: a folder to take the tokenizer from instead of the model's.
+    `quantization`: None (weights in `dtype`) or "gguf" (a GGUF model's Q4_0/Q4_1/Q8_0
+    tensors stay in their blocks; CPU only)."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
@@ -156,6 +181,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
         net.load_weights(iter_checkpoint_tensors(model_dir))
     net.eval()
     net.to(device)
+    if quantization is not None:
+        _quantize(net, model, quantization, device)
     net.prepack()  # CPU only; a no-op elsewhere
     tok = load_tokenizer(model_dir, tokenizer)
     return LoadedModel(

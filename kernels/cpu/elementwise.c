@@ -1,16 +1,24 @@
-/* Fused bf16 element-wise ops for the CPU decode path. Each replaces a chain of 3-6
- * torch ops (and their temporaries) over [tokens, hidden]; at decode batch sizes those
- * chains cost more in launches and memory passes than in arithmetic.
+/* Fused element-wise ops for the CPU decode path, in bf16 and in float32 (the dtype
+ * the engine runs in on CPUs without native bf16). Each replaces a chain of 3-6 torch
+ * ops (and their temporaries) over [tokens, hidden]; at decode batch sizes those chains
+ * cost more in launches and memory passes than in arithmetic.
  *
  * Rounding follows the torch op chains they replace (and HF's Llama): every
  * intermediate that torch would store as bf16 is rounded to bf16 here too, so results
- * differ from the torch path only by the order of float32 sums and exp's last bit. Rows are spread over torch's OpenMP pool (see
+ * differ from the torch path only by the order of float32 sums and exp's last bit (in
+ * float32 the same holds with nothing to round). Rows are spread over torch's OpenMP pool (see
  * decode_attention.c for why the runtime is shared).
  */
 #include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
+
+/* The float32 kernels fork threads only above this many elements. A decode row (a few
+ * hundred to a few thousand floats) takes well under a microsecond on one core, less
+ * than starting a parallel region costs; measured on 2 cores, a second thread starts to
+ * pay off between 4K and 8K floats for silu_mul and around 8K for add_rms_norm. */
+#define PARALLEL_MIN_WORK 8192
 
 /* residual += x (when x is not NULL); out = bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight)
  * Matches: residual.add_(x); F.rms_norm(residual.float(), ..., None, eps).to(bf16) * weight */
@@ -43,6 +51,14 @@ void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *we
     }
 }
 
+/* silu(g) = g / (1 + exp(-g)), with g clamped at -88 so exp(-g) stays finite: under
+ * -ffast-math gcc divides by multiplying with a refined reciprocal, which turns
+ * g / inf into NaN (gates below about -88.7). silu(-88) is ~-5e-37: zero in practice. */
+static inline float silu(float g) {
+    g = fmaxf(g, -88.f);
+    return g / (1.f + expf(-g));
+}
+
 /* out[r, i] = bf16(bf16(silu(gate_up[r, i])) * gate_up[r, inter + i])
  * Matches: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]) */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
@@ -54,7 +70,7 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
         uint16_t *dst = out + r * inter;
         for (int64_t i = 0; i < inter; i++) {
             const float g = bf16_to_f32(gate[i]);
-            const float s = round_bf16(g / (1.f + expf(-g)));
+            const float s = round_bf16(silu(g));
             dst[i] = f32_to_bf16(s * bf16_to_f32(up[i]));
         }
     }
@@ -114,6 +130,89 @@ void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_
         if (slot < 0) continue;
         const uint16_t *k = key + t * key_stride, *v = value + t * value_stride;
         uint16_t *kd = key_cache + slot * row, *vd = value_cache + slot * row;
+        for (int64_t i = 0; i < row; i++) { kd[i] = k[i]; vd[i] = v[i]; }
+    }
+}
+
+/* float32 add_rms_norm: residual += x (when x is not NULL);
+ * out = (residual * rsqrt(mean(residual^2) + eps)) * weight, all in float32.
+ * Matches reference.add_rms_norm for float32 up to the order of the float32 sum. */
+void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                      int64_t rows, int64_t hidden, float eps, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if(rows * hidden > PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * hidden;
+        float *dst = out + r * hidden;
+        if (x != 0) {
+            const float *src = x + r * hidden;
+            for (int64_t i = 0; i < hidden; i++) res[i] += src[i];
+        }
+        float sum = 0.f;
+        for (int64_t i = 0; i < hidden; i++) sum += res[i] * res[i];
+        const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+        for (int64_t i = 0; i < hidden; i++) dst[i] = (res[i] * inv) * weight[i];
+    }
+}
+
+/* float32 silu_mul: out[r, i] = silu(gate_up[r, i]) * gate_up[r, inter + i]. */
+void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                  int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if(rows * inter > PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inter;
+        const float *up = gate + inter;
+        float *dst = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) {
+            dst[i] = silu(gate[i]) * up[i];
+        }
+    }
+}
+
+/* float32 rope, same layout as rope_bf16; cos/sin tables are float32. Bit-equal to the
+ * torch expression (x1 * cos - x2 * sin, x2 * cos + x1 * sin), which rounds each product
+ * before the sum; fusing them into an FMA (gcc does by default where the CPU has FMA)
+ * would not, so contraction is off for this function. */
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("fp-contract=off")))
+#endif
+void rope_f32(const float *qkv, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,
+              int64_t rot_half, const int64_t *positions, const float *cos_table,
+              const float *sin_table, float *out, int num_threads) {
+#ifdef __clang__
+    #pragma clang fp contract(off)
+#endif
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if(rows * heads * dim > PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *cs = cos_table + positions[r] * rot_half;
+        const float *sn = sin_table + positions[r] * rot_half;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *src = qkv + r * row_stride + h * dim;
+            float *dst = out + (r * heads + h) * dim;
+            for (int64_t i = 0; i < rot_half; i++) {
+                const float x1 = src[i], x2 = src[i + rot_half];
+                const float p1 = x1 * cs[i], p2 = x2 * sn[i], p3 = x2 * cs[i], p4 = x1 * sn[i];
+                dst[i] = p1 - p2;
+                dst[i + rot_half] = p3 + p4;
+            }
+            for (int64_t i = 2 * rot_half; i < dim; i++) dst[i] = src[i];
+        }
+    }
+}
+
+/* reshape_and_cache_16 for 4-byte elements (float32 caches): same contract. */
+void reshape_and_cache_32(const uint32_t *key, int64_t key_stride, const uint32_t *value,
+                          int64_t value_stride, uint32_t *key_cache, uint32_t *value_cache,
+                          const int64_t *slots, int64_t tokens, int64_t row, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if(2 * tokens * row > PARALLEL_MIN_WORK)
+    for (int64_t t = 0; t < tokens; t++) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const uint32_t *k = key + t * key_stride, *v = value + t * value_stride;
+        uint32_t *kd = key_cache + slot * row, *vd = value_cache + slot * row;
         for (int64_t i = 0; i < row; i++) { kd[i] = k[i]; vd[i] = v[i]; }
     }
 }

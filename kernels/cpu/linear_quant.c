@@ -1,0 +1,268 @@
+/* Weight-only quantized linear layers on GGUF's blocks: y = x W^T (+ bias) with W kept
+ * in the file's Q4_0, Q4_1 or Q8_0 codes and scales (kernels/gguf_weight.py lays them out:
+ * codes without the interleaved fp16 scales, scales and offsets as float32 arrays).
+ *
+ * Why not dequantize: decoding one token reads every weight once, so its time is the
+ * weights' bytes over the memory bandwidth; Q4_1 is 5 bits a weight against fp32's 32.
+ * The activations are quantized to int8 per block of 32 (one float scale each, as
+ * llama.cpp does), so the inner product is an integer dot of bytes: 32 multiply-adds in
+ * two instructions on AVX2 (maddubs + madd) or one with VNNI, where converting weights to
+ * float and FMA-ing them costs 6-8 instructions per 8 weights: compute-bound decode.
+ * Without AVX2 the same loops run in plain C.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids */
+
+/* x [rows, k] (fp32 or bf16) -> q [rows, k] int8, scale/qsum/sum [rows, k / 32] float.
+ * pair_layout (for the 4-bit formats): each pair of blocks (b, b + 1) is stored as
+ * x_b[0:16], x_b1[0:16], x_b[16:32], x_b1[16:32], the order one 32-byte load of the two
+ * blocks' nibbles yields after masking (low nibbles) and shifting (high nibbles); a last
+ * odd block keeps its natural order. */
+static void quantize_rows_q8(const void *x, int is_bf16, int64_t rows, int64_t k, int pair_layout,
+                      int8_t *q, float *scale, float *qsum, float *sum, int num_threads) {
+    const int64_t nblk = k / QK;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 16384)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t b = 0; b < nblk; b++) {
+            float v[QK];
+            const int64_t base = r * k + b * QK;
+            if (is_bf16) {
+                for (int i = 0; i < QK; i++) v[i] = bf16_to_f32(((const uint16_t *)x)[base + i]);
+            } else {
+                memcpy(v, (const float *)x + base, sizeof v);
+            }
+            float amax = 0.f, total = 0.f;
+            for (int i = 0; i < QK; i++) {
+                amax = fmaxf(amax, fabsf(v[i]));
+                total += v[i];
+            }
+            const float inv = amax > 0.f ? 127.f / amax : 0.f;
+            /* Where element i of block b goes (see pair_layout above). */
+            const int paired = pair_layout && (b ^ 1) < nblk;
+            int8_t *dst = q + r * k + (paired ? (b & ~(int64_t)1) * QK : b * QK);
+            const int half = paired ? (int)(b & 1) * 16 : 0, stride = paired ? 32 : 16;
+            int isum = 0;
+            for (int i = 0; i < QK; i++) {
+                const int qi = (int)lrintf(v[i] * inv);
+                dst[(i >= 16 ? stride : 0) + half + (i & 15)] = (int8_t)qi;
+                isum += qi;
+            }
+            scale[r * nblk + b] = amax / 127.f;
+            qsum[r * nblk + b] = amax / 127.f * (float)isum;
+            sum[r * nblk + b] = total;
+        }
+    }
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float s = 0.f;
+    for (int64_t i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+#if defined(__AVX2__)
+static inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, s);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s),
+                                                    _mm256_set1_epi16(1)));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+static inline int32_t hsum8i(__m256i v) {
+    __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4E));
+    lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xB1));
+    return _mm_cvtsi128_si32(lo);
+}
+
+/* Two 4-bit blocks (b, b + 1: 32 bytes of nibbles) . x in pair layout -> 8 int32, lanes
+ * 0-3 summing to block b's dot, lanes 4-7 to block b + 1's. */
+static inline __m256i q4_pair_dot(const uint8_t *qs, __m256i xa, __m256i xb) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i packed = _mm256_loadu_si256((const __m256i *)qs);
+    const __m256i acc = dot_u8s8(_mm256_setzero_si256(), _mm256_and_si256(packed, mask), xa);
+    return dot_u8s8(acc, _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask), xb);
+}
+
+/* One Q8_0 block . x block -> 8 int32 summing to the dot (sign trick: maddubs multiplies
+ * unsigned by signed, so |w| against x carrying w's sign). */
+static inline __m256i q8_dot(const int8_t *qs, __m256i x) {
+    const __m256i w = _mm256_loadu_si256((const __m256i *)qs);
+    return dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+}
+
+/* Four pair vectors (blocks 0..7 as q4_pair_dot lays them out) -> the 8 block sums. */
+static inline __m256i reduce_pairs(__m256i p0, __m256i p1, __m256i p2, __m256i p3) {
+    const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p0, p1), _mm256_hadd_epi32(p2, p3));
+    /* h = [b0 b2 b4 b6 | b1 b3 b5 b7] */
+    return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* Eight per-block vectors -> the 8 block sums, in order. */
+static inline __m256i reduce_blocks(const __m256i v[8]) {
+    const __m256i a = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i b = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    /* a = [b0lo b1lo b2lo b3lo | b0hi b1hi b2hi b3hi], b likewise for blocks 4..7 */
+    return _mm256_add_epi32(_mm256_permute2x128_si256(a, b, 0x20),
+                            _mm256_permute2x128_si256(a, b, 0x31));
+}
+
+/* acc += block sums (8 int32) * d[0:8] * xs[0:8]; `count` < 8 reads only that many. */
+static inline __m256 scale_add(__m256 acc, __m256i sums, const float *d, const float *xs,
+                               int count) {
+    __m256 scales;
+    if (count == 8) {
+        scales = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_loadu_ps(xs));
+    } else {
+        float tmp[8] = {0};
+        for (int i = 0; i < count; i++) tmp[i] = d[i] * xs[i];
+        scales = _mm256_loadu_ps(tmp);
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc);
+}
+
+/* sum over blocks of d[b] * xs[b] * (codes . x)[b] for one weight row and one x row. */
+static float dot_row(int is_q8, const uint8_t *qs, const float *d, const int8_t *xq,
+                     const float *xs, int64_t nblk) {
+    __m256 acc = _mm256_setzero_ps();
+    int64_t b = 0;
+    if (is_q8) {
+        for (; b < nblk; b += 8) {
+            const int count = nblk - b < 8 ? (int)(nblk - b) : 8;
+            __m256i v[8];
+            for (int i = 0; i < 8; i++)
+                v[i] = i < count ? q8_dot((const int8_t *)qs + (b + i) * QK,
+                                          _mm256_loadu_si256((const __m256i *)(xq + (b + i) * QK)))
+                                 : _mm256_setzero_si256();
+            acc = scale_add(acc, reduce_blocks(v), d + b, xs + b, count);
+        }
+        return hsum8(acc);
+    }
+    const int64_t paired = nblk & ~(int64_t)1;
+    for (; b < paired; b += 8) {
+        const int count = paired - b < 8 ? (int)(paired - b) : 8;
+        __m256i p[4];
+        for (int i = 0; i < 4; i++) {
+            const int8_t *x = xq + (b + 2 * i) * QK;
+            p[i] = 2 * i < count ? q4_pair_dot(qs + (b + 2 * i) * (QK / 2),
+                                               _mm256_loadu_si256((const __m256i *)x),
+                                               _mm256_loadu_si256((const __m256i *)(x + 32)))
+                                 : _mm256_setzero_si256();
+        }
+        acc = scale_add(acc, reduce_pairs(p[0], p[1], p[2], p[3]), d + b, xs + b, count);
+    }
+    float total = hsum8(acc);
+    if (paired < nblk) {  /* a last odd block, x in natural order */
+        const __m128i packed = _mm_loadu_si128((const __m128i *)(qs + paired * (QK / 2)));
+        const __m256i codes = _mm256_and_si256(
+            _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + paired * QK));
+        total += d[paired] * xs[paired] *
+                 (float)hsum8i(dot_u8s8(_mm256_setzero_si256(), codes, x));
+    }
+    return total;
+}
+#else
+static float dot_row(int is_q8, const uint8_t *qs, const float *d, const int8_t *xq,
+                     const float *xs, int64_t nblk) {
+    float total = 0.f;
+    for (int64_t b = 0; b < nblk; b++) {
+        int32_t isum = 0;
+        if (is_q8) {
+            const int8_t *w = (const int8_t *)qs + b * QK, *x = xq + b * QK;
+            for (int i = 0; i < QK; i++) isum += (int32_t)w[i] * x[i];
+        } else {
+            const uint8_t *w = qs + b * (QK / 2);
+            /* where element i of block b sits in the pair layout (quantize_rows_q8) */
+            const int paired = (b ^ 1) < nblk;
+            const int8_t *x = xq + (paired ? (b & ~(int64_t)1) * QK : b * QK);
+            const int half = paired ? (int)(b & 1) * 16 : 0, stride = paired ? 32 : 16;
+            for (int i = 0; i < QK / 2; i++)
+                isum += (int32_t)(w[i] & 0x0F) * x[half + i] + (int32_t)(w[i] >> 4) * x[stride + half + i];
+        }
+        total += d[b] * xs[b] * (float)isum;
+    }
+    return total;
+}
+#endif
+
+/* y [m, n] (fp32, or bf16 when out_bf16) = x W^T + bias for x [m, k] (fp32, or bf16 when
+ * x_bf16). x is quantized here first (quantize_rows_q8; pair layout for the 4-bit
+ * formats) into one malloc'd buffer: one call from Python instead of two and four
+ * tensors, which cost more than the matmul itself for the small layers of a decode step.
+ * The weight offsets multiply per-block x sums: sum(x) for Q4_1; scale * sum(q) for Q4_0,
+ * which keeps its -8 exact against the codes. Each thread streams its own slice of W's
+ * rows once; a row stays in L1 while every activation row meets it.
+ * Returns -1 for an unknown type or a k that is not whole blocks, -2 without memory. */
+int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
+                int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
+                int out_bf16, int num_threads) {
+    if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
+    const int is_q8 = type == Q8_0;
+    const int64_t nblk = k / QK, row_bytes = is_q8 ? k : k / 2;
+    float *scales = malloc((size_t)(m * nblk) * 3 * sizeof(float) + (size_t)(m * k));
+    if (scales == NULL) return -2;
+    float *qsums = scales + m * nblk, *sums = qsums + m * nblk;
+    int8_t *xq = (int8_t *)(sums + m * nblk);
+    quantize_rows_q8(x, x_bf16, m, k, !is_q8, xq, scales, qsums, sums, num_threads);
+    const float *xoff = type == Q4_0 ? qsums : sums;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k * m >= 65536)
+    for (int64_t j = 0; j < n; j++) {
+        const uint8_t *wrow = qs + j * row_bytes;
+        for (int64_t r = 0; r < m; r++) {
+            float out = dot_row(is_q8, wrow, d + j * nblk, xq + r * k, scales + r * nblk, nblk);
+            if (offset) out += dot_f32(offset + j * nblk, xoff + r * nblk, nblk);
+            if (bias) out += bias[j];
+            if (out_bf16) ((uint16_t *)y)[r * n + j] = f32_to_bf16(out);
+            else ((float *)y)[r * n + j] = out;
+        }
+    }
+    free(scales);
+    return 0;
+}
+
+/* Selected rows of W as float32 [rows, k]: the embedding lookup of a quantized table. */
+int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const float *offset,
+                         int64_t k, const int64_t *row_ids, int64_t rows, float *out) {
+    if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
+    const int64_t nblk = k / QK;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t j = row_ids[r];
+        float *dst = out + r * k;
+        for (int64_t b = 0; b < nblk; b++) {
+            const float scale = d[j * nblk + b];
+            float *o = dst + b * QK;
+            if (type == Q8_0) {
+                const int8_t *q = (const int8_t *)qs + j * k + b * QK;
+                for (int i = 0; i < QK; i++) o[i] = scale * (float)q[i];
+                continue;
+            }
+            const uint8_t *q = qs + j * (k / 2) + b * (QK / 2);
+            const float off = offset[j * nblk + b];
+            for (int i = 0; i < QK / 2; i++) {
+                o[i] = scale * (float)(q[i] & 0x0F) + off;
+                o[i + 16] = scale * (float)(q[i] >> 4) + off;
+            }
+        }
+    }
+    return 0;
+}

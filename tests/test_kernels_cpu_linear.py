@@ -1,0 +1,99 @@
+"""The native matmuls (kernels/cpu/linear_f32.c, linear_quant.c) against torch, and the
+GGUF block layout against the gguf package's own quantize/dequantize."""
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import quants
+
+from kernels import cpu_linear, dispatch, reference
+from kernels.gguf_weight import FORMATS, GgufWeight
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler: the engine falls back to torch")
+
+
+def gguf_weight(type_name: str, out_features: int, in_features: int, seed: int = 0):
+    """Random weights quantized by the gguf package -> (GgufWeight, the package's dequantized
+    float32 values)."""
+    rng = np.random.default_rng(seed)
+    dense = (rng.standard_normal((out_features, in_features)) * 0.05
+             + rng.standard_normal((out_features, 1)) * 0.01).astype(np.float32)
+    qtype = getattr(gguf.GGMLQuantizationType, type_name)
+    blocks = quants.quantize(dense, qtype)
+    expected = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32))
+    return GgufWeight.from_blocks(type_name, torch.from_numpy(blocks.copy()), in_features), expected
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+def test_layout_dequantizes_to_the_gguf_package_values(type_name):
+    weight, expected = gguf_weight(type_name, 37, 96)
+    torch.testing.assert_close(weight.dequantize(), expected, rtol=0, atol=1e-6)
+    rows = torch.tensor([36, 0, 5, 5])
+    torch.testing.assert_close(weight.dequantize(rows), expected[rows], rtol=0, atol=1e-6)
+    torch.testing.assert_close(cpu_linear.dequantize_rows(weight, rows), expected[rows],
+                               rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_name", sorted(FORMATS))
+@pytest.mark.parametrize("in_features", [32, 96, 576, 1536])  # 1, 3 (odd), 18, 48 blocks
+@pytest.mark.parametrize("rows", [1, 2, 5, 33])
+def test_quantized_linear_matches_its_torch_definition(type_name, in_features, rows):
+    weight, dense = gguf_weight(type_name, 67, in_features, seed=in_features + rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(rows))
+    bias = torch.randn(67)
+    got = dispatch.gguf_linear(x, weight, bias)
+    expected = reference.gguf_linear(x, weight, bias)
+    scale = float(expected.abs().max())
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-5 * scale)
+    # and the int8 activations cost little against the exact product
+    exact = x @ dense.T + bias
+    assert float((got - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
+def test_quantized_linear_in_bf16_and_zero_rows():
+    weight, _ = gguf_weight("Q4_1", 40, 64)
+    x = torch.randn(3, 64)
+    x[1] = 0.0  # an all-zero block has scale 0: codes 0, no division by zero
+    got = dispatch.gguf_linear(x.bfloat16(), weight, None)
+    assert got.dtype == torch.bfloat16
+    expected = reference.gguf_linear(x.bfloat16().float(), weight, None)
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(got[1].float(), (weight.offset.sum(1) * 0).float())
+
+
+def test_quantized_weights_concatenate_row_wise():
+    a, dense_a = gguf_weight("Q4_0", 10, 64, seed=1)
+    b, dense_b = gguf_weight("Q4_0", 6, 64, seed=2)
+    fused = GgufWeight.concat([a, b])
+    torch.testing.assert_close(fused.dequantize(), torch.cat([dense_a, dense_b]), rtol=0, atol=1e-6)
+    c, _ = gguf_weight("Q8_0", 6, 64)
+    with pytest.raises(ValueError, match="differ in format"):
+        GgufWeight.concat([a, c])
+
+
+def test_unsupported_formats_and_widths_are_refused():
+    with pytest.raises(ValueError, match="Q6_K is not supported"):
+        GgufWeight.from_blocks("Q6_K", torch.zeros(2, 210, dtype=torch.uint8), 256)
+    with pytest.raises(ValueError, match="need 36 bytes"):
+        GgufWeight.from_blocks("Q4_0", torch.zeros(2, 30, dtype=torch.uint8), 64)
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("in_features", [8, 577, 1536])
+@pytest.mark.parametrize("out_features", [1, 3, 4, 130])
+def test_dense_row_kernel_matches_torch(rows, in_features, out_features):
+    g = torch.Generator().manual_seed(rows * in_features + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g)
+    got = dispatch.dense_linear_rows(x, weight, bias)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, weight, bias),
+                               rtol=1e-5, atol=1e-4)
+    assert dispatch.dense_linear_rows(x, weight, None) is not None
+    # other dtypes and larger batches are left to oneDNN / torch
+    assert dispatch.dense_linear_rows(x.bfloat16(), weight.bfloat16(), None) is None
+    assert dispatch.dense_linear_rows(torch.randn(dispatch.DENSE_ROWS_MAX + 1, in_features),
+                                      weight, None) is None
