@@ -15,10 +15,30 @@ from engine.request import RequestOutput
 
 
 @dataclass(slots=True)
+class _Held:
+    """Streamed deltas not sent yet, one entry per sequence (stream_interval > 1)."""
+    texts: list[str]
+    token_ids: list[list[int]]
+    logprobs: list[list | None]
+
+    def add(self, completions) -> None:
+        for i, c in enumerate(completions):
+            self.texts[i] += c.delta_text
+            self.token_ids[i].extend(c.delta_token_ids)
+            if c.delta_logprobs is not None:
+                self.logprobs[i] = (self.logprobs[i] or []) + list(c.delta_logprobs)
+
+
+@dataclass(slots=True)
 class LLMResponseBuilder:
     request: LLMRequest
     # token id -> text, used only for return_logprobs' "decoded_token".
     decode_token: Callable[[int], str] | None = None
+    # Streaming: send the first text at once, then once this many tokens are held, and
+    # the final response (vLLM's stream_interval; 1 = every step with text).
+    stream_interval: int = 1
+    _held: _Held | None = None
+    _sent: bool = False
 
     def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
         """One entry per sequence (n > 1: index i in entry i), as vllm_backend sends;
@@ -29,13 +49,18 @@ class LLMResponseBuilder:
             # One response per step that produced text; the last one carries FINAL
             # even when the final step produced no text (e.g. it sampled EOS). A sequence
             # with nothing new this step gets an empty entry.
-            if not finished and not any(c.delta_text for c in completions):
-                return None
-            # The engine releases tokens with their text: tokens held back mid-character
-            # or mid-stop-string are counted with the response that carries their text.
-            texts = [c.delta_text for c in completions]
-            token_ids = [c.delta_token_ids for c in completions]
-            logprobs = [c.delta_logprobs for c in completions]
+            if self.stream_interval > 1:
+                texts, token_ids, logprobs = self._hold(completions, finished)
+                if texts is None:
+                    return None
+            else:
+                if not finished and not any(c.delta_text for c in completions):
+                    return None
+                # The engine releases tokens with their text: tokens held back mid-character
+                # or mid-stop-string are counted with the response that carries their text.
+                texts = [c.delta_text for c in completions]
+                token_ids = [c.delta_token_ids for c in completions]
+                logprobs = [c.delta_logprobs for c in completions]
         else:
             if not finished:
                 return None
@@ -59,6 +84,22 @@ class LLMResponseBuilder:
         if returns.logprobs:
             tensors["logprobs"] = np.array([self._logprobs_json(lp) for lp in logprobs], dtype=np.object_)
         return tensors
+
+    def _hold(self, completions, finished: bool):
+        """Adds this step's deltas to the held ones; returns them (and starts over) when
+        they are due, else (None, None, None)."""
+        if self._held is None:
+            n = len(completions)
+            self._held = _Held([""] * n, [[] for _ in range(n)], [None] * n)
+        held = self._held
+        held.add(completions)
+        if not finished:
+            if not any(held.texts):
+                return None, None, None
+            if self._sent and max(len(ids) for ids in held.token_ids) < self.stream_interval:
+                return None, None, None
+        self._held, self._sent = None, True
+        return held.texts, held.token_ids, held.logprobs
 
     def _logprobs_json(self, logprobs: list[dict[int, float]] | None) -> bytes:
         payload = []

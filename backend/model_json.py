@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 from backend import vllm_engine_args as vllm
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.values import to_bool, to_float
+from engine.values import to_bool, to_float, to_int
 
 FILE_NAME = "model.json"
 _OWN_NAMES = frozenset(f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig)
@@ -32,6 +32,7 @@ class ModelJson:
     engine_args: dict[str, Any] = field(default_factory=dict)
     gpu_memory_utilization: float | None = None
     disable_log_stats: bool = False
+    stream_interval: int | None = None
     # What was accepted but changes nothing, for the load log.
     ignored: list[str] = field(default_factory=list)
 
@@ -64,6 +65,8 @@ def parse_model_json(data: Any) -> ModelJson:
             out.gpu_memory_utilization = _utilization(value)
         elif key == vllm.DISABLE_LOG_STATS:
             out.disable_log_stats = value is not None and to_bool(_named(key), value)
+        elif key == vllm.STREAM_INTERVAL:
+            out.stream_interval = None if value is None else _stream_interval(value)
         elif key in vllm.NO_EFFECT:
             out.ignored.append(key)
         elif key in vllm.UNSUPPORTED:
@@ -98,6 +101,13 @@ def _utilization(value: Any) -> float:
     if not 0.0 < share <= 1.0:
         raise ValueError(f"{_named(vllm.GPU_MEMORY_UTILIZATION)} must be in (0, 1], got {share}")
     return share
+
+
+def _stream_interval(value: Any) -> int:
+    interval = to_int(_named(vllm.STREAM_INTERVAL), value)
+    if interval < 1:
+        raise ValueError(f"{_named(vllm.STREAM_INTERVAL)} must be >= 1, got {interval}")
+    return interval
 
 
 def _named(key: str) -> str:

@@ -33,6 +33,8 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
 # As in vllm_backend: true turns REPORT_CUSTOM_METRICS off.
 DISABLE_LOG_STATS = "disable_log_stats"
+# Tokens per streamed response (vLLM >= 0.11): a backend option here, not the engine's.
+STREAM_INTERVAL = "stream_interval"
 
 # Accepted with any value and logged as ignored: they tune how vLLM runs (CUDA graphs,
 # Ray, logging, loading, tracing), not what it computes, or name something this engine
@@ -101,7 +103,6 @@ UNSUPPORTED = {
     "reasoning_parser": (None, ""),
     "scheduler_cls": (None,),
     "additional_config": (None, {}),
-    "stream_interval": (1,),
     # vLLM's "auto" puts the checkpoint's generation_config.json sampling values under
     # every request; here requests start from vLLM's own defaults, which "vllm" means.
     "generation_config": ("vllm",),

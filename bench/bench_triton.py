@@ -2,9 +2,12 @@
 request) vs in-process LLM.generate, same 64-request workloads, in one run.
 
   python -m bench.bench_triton [--workload fixed|variable] [--repeat 3]
+                               [--stream-interval N] [--quantization gguf]
 
-The server runs the repository's `llm` model as shipped (embedded SmolLM2, bf16,
+The server runs the repository's `llm` model as shipped (embedded SmolLM2, dtype auto,
 max_num_seqs 64, max_model_len 2048); the in-process engine gets the same arguments.
+--stream-interval sets the model's stream_interval (output tokens per streamed response;
+1, the default, sends every step's text); --quantization is set on both sides.
 Every request asks for exactly its output length (min_tokens = max_tokens, ignore_eos).
 Round r of each side uses the workload drawn with seed r, so no round hits the prefix
 cache of an earlier one; each side reports its best round (the host's speed drifts
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import tempfile
 import threading
 import time
@@ -23,6 +27,7 @@ from bench.bench_generate import make_workload
 from client_examples.common import build_grpc_inputs, chunk_from_grpc_result
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
+from kernels import cpu_features
 
 REPO = Path(__file__).resolve().parent.parent / "model_repository"
 
@@ -30,8 +35,8 @@ REPO = Path(__file__).resolve().parent.parent / "model_repository"
 Rounds = list[tuple[list[str], list[int]]]  # (prompts, output lengths) per round
 
 
-def in_process(rounds: Rounds) -> list[float]:
-    llm = LLM(None, max_num_seqs=64, max_model_len=2048)  # dtype auto, as the server
+def in_process(rounds: Rounds, engine_args: dict[str, str]) -> list[float]:
+    llm = LLM(None, max_num_seqs=64, max_model_len=2048, **engine_args)  # dtype auto, as the server
     llm.generate(rounds[0][0][:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     rates = []
     for texts, lengths in rounds:
@@ -91,11 +96,24 @@ def stream_all(url: str, texts: list[str], lengths: list[int],
     return elapsed, produced
 
 
-def through_triton(rounds: Rounds) -> tuple[list[float], list[float], float]:
+def repository_with(params: dict[str, str], work: Path) -> Path:
+    """The shipped repository, or a copy whose `llm` config.pbtxt adds `params`."""
+    if not params:
+        return REPO
+    repo = work / "repo"
+    shutil.copytree(REPO / "llm", repo / "llm")
+    with open(repo / "llm" / "config.pbtxt", "a") as config:
+        for key, value in params.items():
+            config.write(f'parameters {{ key: "{key}" value: {{ string_value: "{value}" }} }}\n')
+    return repo
+
+
+def through_triton(rounds: Rounds, params: dict[str, str]) -> tuple[list[float], list[float], float]:
     """(streaming tok/s per round, non-streaming tok/s per round, seconds from start to ready)"""
     from backend.triton_server import ServerPorts, TritonServer
-    log = Path(tempfile.mkdtemp(prefix="bench-triton-")) / "server.log"
-    server = TritonServer(REPO, ServerPorts.free(), log_path=log,
+    work = Path(tempfile.mkdtemp(prefix="bench-triton-"))
+    log = work / "server.log"
+    server = TritonServer(repository_with(params, work), ServerPorts.free(), log_path=log,
                           extra_args=["--model-control-mode=explicit", "--load-model=llm"])
     server.start()
     try:
@@ -117,17 +135,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["fixed", "variable"], default="fixed")
     ap.add_argument("--repeat", type=int, default=3, help="rounds per side; the best is reported")
+    ap.add_argument("--stream-interval", type=int, default=1)
+    ap.add_argument("--quantization", choices=["gguf"], default=None)
     args = ap.parse_args()
+    engine_args = {"quantization": args.quantization} if args.quantization else {}
+    params = dict(engine_args)
+    if args.stream_interval != 1:
+        params["stream_interval"] = str(args.stream_interval)
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(default_model_dir())
     rounds = []
     for seed in range(args.repeat):
         w = make_workload(args.workload, tok, seed=seed)
         rounds.append(([tok.decode(p) for p in w.prompts], w.max_tokens))
-    inproc = in_process(rounds)
-    streaming, whole, ready_s = through_triton(rounds)
+    inproc = in_process(rounds, engine_args)
+    streaming, whole, ready_s = through_triton(rounds, params)
     print(f"\n{args.workload} workload, {args.repeat} rounds of {len(rounds[0][0])} requests "
-          f"({sum(rounds[0][1])} output tokens in round 0); best round, then all rounds")
+          f"({sum(rounds[0][1])} output tokens in round 0); best round, then all rounds; "
+          f"CPU {cpu_features.detect().describe()}; stream_interval {args.stream_interval}, "
+          f"quantization {args.quantization}")
     best = max(inproc)
     for label, rates in (("in-process LLM.generate", inproc), ("Triton gRPC, streaming", streaming),
                          ("Triton gRPC, one response", whole)):

@@ -46,13 +46,13 @@ def linear_f32_rows(x: torch.Tensor, weight: torch.Tensor,
     """x W^T + b for a 2-D float32 x on CPU; None if not applicable."""
     lib = _library()
     if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or not weight.is_contiguous()
+            or not x.is_cpu or not weight.is_cpu or not weight.is_contiguous()
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return None
     x = x.contiguous()
     rows, k = x.shape
     n = weight.shape[0]
-    out = torch.empty((rows, n), dtype=torch.float32)
+    out = torch.empty(rows, n, dtype=torch.float32)
     lib.linear_f32_rows(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k,
                         torch.get_num_threads())
     return out
@@ -63,12 +63,14 @@ def linear_gguf(x: torch.Tensor, weight: GgufWeight,
     """x W^T + b with W in its GGUF codes (x quantized to int8 per 32-block inside the
     kernel, as llama.cpp does), output in x's dtype; None if not applicable."""
     lib = _library()
+    # is_cpu, not device.type, and sizes as arguments: ~120 calls a decode step, where
+    # building device objects and shape tuples costs more than the small layers' math.
     if (lib is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)
-            or x.device.type != "cpu" or x.shape[1] != weight.in_features
+            or not x.is_cpu or x.shape[1] != weight.in_features
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return None
     x = x.contiguous()
-    out = torch.empty((x.shape[0], weight.out_features), dtype=x.dtype)
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     is_bf16 = int(x.dtype == torch.bfloat16)
     status = lib.linear_gguf(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0], _ptr(bias),
                              out.data_ptr(), is_bf16, torch.get_num_threads())

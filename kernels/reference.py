@@ -242,20 +242,9 @@ def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
 
 def gguf_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
     """What kernels/cpu/linear_quant.c computes for a GgufWeight (kernels/gguf_weight.py):
-    the codes' part against x quantized per 32-block, the per-block offsets against the
-    block sums of x (exact for Q4_1; of the quantized x for Q4_0, whose offset -8 d
-    belongs with the codes)."""
-    x_hat = quantize_activations_q8(x)
-    dense = weight.dequantize()
-    out = x_hat @ dense.T
-    if weight.offset is not None:
-        rows = x.shape[0]
-        offsets = weight.offset  # [out, nblk]
-        exact = x.float().reshape(rows, -1, 32).sum(-1)
-        rounded = x_hat.reshape(rows, -1, 32).sum(-1)
-        # dense already carries offset * sum(x_hat); swap in the sums the kernel uses
-        if weight.type_name != "Q4_0":
-            out = out + (exact - rounded) @ offsets.T
+    the dequantized weights against x quantized per 32-block (llama.cpp's Q8_0 / Q8_1
+    activations, with float32 scales)."""
+    out = quantize_activations_q8(x) @ weight.dequantize().T
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)

@@ -12,6 +12,12 @@ import torch
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # get_device() is an int (-1 on CPU): comparing torch.device objects costs ~10x more,
+    # and these checks run for every layer of every step.
+    return a.is_cuda == b.is_cuda and a.get_device() == b.get_device()
+
+
 def _fail(field: str, message: str) -> None:
     raise ValueError(f"{field}: {message}")
 
@@ -34,7 +40,7 @@ def check_kv_caches(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
               f"{tuple(key_cache.shape)}")
     if value_cache.dtype != key_cache.dtype:
         _fail("value_cache", f"dtype {value_cache.dtype} differs from key_cache {key_cache.dtype}")
-    if value_cache.device != key_cache.device:
+    if not _same_device(value_cache, key_cache):
         _fail("value_cache", "must be on the same device as key_cache")
     # Both implementations address slots as flat rows, which needs the standard layout.
     if not key_cache.is_contiguous():
@@ -56,10 +62,10 @@ def check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: t
     for name, tensor in (("key", key), ("value", value)):
         if tensor.dtype != key_cache.dtype:
             _fail(name, f"dtype {tensor.dtype} differs from the cache dtype {key_cache.dtype}")
-        if tensor.device != key_cache.device:
+        if not _same_device(tensor, key_cache):
             _fail(name, "must be on the same device as key_cache")
     _check_index("slot_mapping", slot_mapping, key.shape[0])
-    if slot_mapping.device != key_cache.device:
+    if not _same_device(slot_mapping, key_cache):
         _fail("slot_mapping", "must be on the same device as key_cache")
 
 
@@ -77,7 +83,7 @@ def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         _fail("query", f"num_heads {query.shape[1]} is not a multiple of num_kv_heads {num_kv_heads}")
     if query.dtype != key_cache.dtype:
         _fail("query", f"dtype {query.dtype} differs from the cache dtype {key_cache.dtype}")
-    if query.device != key_cache.device:
+    if not _same_device(query, key_cache):
         _fail("query", "must be on the same device as key_cache")
     if block_tables.dim() != 2:
         _fail("block_tables", f"expected [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
@@ -88,13 +94,13 @@ def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     _check_index("seq_lens", seq_lens, num_seqs)
     for name, tensor in (("block_tables", block_tables), ("query_start_loc", query_start_loc),
                          ("seq_lens", seq_lens)):
-        if tensor.device != key_cache.device:
+        if not _same_device(tensor, key_cache):
             _fail(name, "must be on the same device as key_cache")
-    if not (isinstance(scale, numbers.Real) and scale > 0):
+    if not ((type(scale) is float or isinstance(scale, numbers.Real)) and scale > 0):
         _fail("scale", f"expected a positive float, got {scale!r}")
-    if not isinstance(max_query_len, numbers.Integral) or max_query_len < 0:
+    if not (type(max_query_len) is int or isinstance(max_query_len, numbers.Integral)) or max_query_len < 0:
         _fail("max_query_len", f"expected a non-negative int, got {max_query_len!r}")
-    if not isinstance(max_seq_len, numbers.Integral) or max_seq_len < max_query_len:
+    if not (type(max_seq_len) is int or isinstance(max_seq_len, numbers.Integral)) or max_seq_len < max_query_len:
         _fail("max_seq_len", f"expected an int >= max_query_len, got {max_seq_len!r}")
     if max_seq_len > block_tables.shape[1] * key_cache.shape[1]:
         _fail("max_seq_len", f"{max_seq_len} exceeds what block_tables can address "

@@ -150,3 +150,40 @@ def test_llm_non_streaming_prepends_prompt_unless_excluded():
 def test_token_request_priority_input():
     assert parse_token_request(token_inputs()).priority == 0
     assert parse_token_request(token_inputs(priority=np.int32(-2))).priority == -2
+
+
+def test_llm_stream_interval_sends_first_text_then_every_n_tokens_then_final():
+    request = LLMRequest("Hi", SamplingParams(), True, True, ReturnFlags(num_output_tokens=True,
+                                                                        logprobs=True))
+    builder = LLMResponseBuilder(request, stream_interval=3)
+    sent = []
+    steps = [("a", [1]), ("b", [2]), ("", []), ("c", [3]), ("d", [4]), ("e", [5]), ("f", [6])]
+    text = ""
+    for i, (delta, ids) in enumerate(steps):
+        text += delta
+        out = builder.build(llm_output(text, delta, [], ids, False,
+                                       delta_logprobs=[{t: -0.1} for t in ids]))
+        if out is not None:
+            sent.append((i, out["text_output"][0].decode(), int(out["num_output_tokens"][0]),
+                         len(json.loads(out["logprobs"][0]))))
+    last = builder.build(llm_output(text + "g", "g", [], [7], True, "length",
+                                    delta_logprobs=[{7: -0.1}]))
+    # the first token at once; then when 3 are held ("bcd" at step 4); "ef" + "g" at the end
+    assert sent == [(0, "a", 1, 1), (4, "bcd", 3, 3)]
+    assert last["text_output"][0] == b"efg" and int(last["num_output_tokens"][0]) == 3
+    assert len(json.loads(last["logprobs"][0])) == 3
+
+
+def test_stream_interval_comes_from_config_pbtxt_or_model_json():
+    from backend.config_params import split_parameters
+    from backend.model_json import parse_model_json
+    assert split_parameters({})[1].stream_interval == 1
+    assert split_parameters({"stream_interval": "4"})[1].stream_interval == 4
+    assert split_parameters({}, parse_model_json({"stream_interval": 8}))[1].stream_interval == 8
+    assert split_parameters({"stream_interval": "2"},
+                            parse_model_json({"stream_interval": 8}))[1].stream_interval == 2
+    for bad in ({"stream_interval": "0"}, {"stream_interval": "x"}):
+        with pytest.raises(ValueError, match="stream_interval"):
+            split_parameters(bad)
+    with pytest.raises(ValueError, match="stream_interval"):
+        parse_model_json({"stream_interval": 0})

@@ -69,9 +69,9 @@ def test_quantized_model_drops_dense_weights_and_stays_close(dense, quantized_ll
         expected = _last_logits(dense, ids)
         got = _last_logits(loaded, ids)
         # int8 activations per 32-block (as llama.cpp computes Q4_1 x Q8_1) through 30
-        # layers: 6-13% of the largest logit at most on these prompts, mostly from the
-        # layers' inputs (the lm_head's alone: 1-3%)
-        assert float((got - expected).abs().max()) < 0.2 * float(expected.abs().max()), prompt
+        # layers: 3-5% of the largest logit at most on these prompts (llama.cpp on the
+        # same file: 2-4%); offsets against the exact x sums made it 6-13%
+        assert float((got - expected).abs().max()) < 0.08 * float(expected.abs().max()), prompt
         assert int(got.argmax()) in expected.topk(3).indices.tolist(), prompt
 
 
