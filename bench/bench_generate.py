@@ -176,6 +176,15 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
     return 2 * num_bytes / best / 1e9  # read + write
 
 
+def bytes_per_step(model) -> int:
+    """Weight bytes one decode step reads: the dense parameters plus the GGUF tables
+    (quantization="gguf"; a tied table counted once, as the lm_head reads it whole)."""
+    tables = {id(t): t for t in [getattr(m, "quantized", None) for m in model.modules()]
+              + [getattr(model, "lm_head_quantized", None)] if t is not None}
+    dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    return dense + sum(t.nbytes for t in tables.values())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", choices=["fixed", "variable", "all"], default="all")
@@ -286,7 +295,7 @@ def main() -> None:
             print(f"  {label}: greedy ids agree with the engine's for {same_prefix}/{len(ids)} tokens")
 
     stream = figs["engine"]["single"]
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.runner.model.parameters())
+    weight_bytes = bytes_per_step(llm.llm_engine.runner.model)
     bw = copy_bandwidth_gbs()
     roofline = bw * 1e9 / weight_bytes
     print(f"\nsingle stream: {stream:.1f} tok/s; decode roofline {roofline:.1f} tok/s "

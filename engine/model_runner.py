@@ -106,6 +106,25 @@ class ModelRunner:
 
         device = self.device
         num_seqs = len(requests)
+        max_blocks = max(len(t) for t in tables)
+        # Padding entries point at block 0; seq_lens keeps them from being read.
+        block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
+                                   dtype=torch.int32)
+        if len(token_ids) == num_seqs == len(sample_reqs):
+            # Decodes only (one token a sequence, every one sampled; a 1-token prefill
+            # chunk that is not a prompt's last is not sampled): the tensor recipe
+            # below costs ~20 small ops, 0.3 ms a step, ~3% of a single stream's token.
+            positions_list = [end - 1 for end in seq_lens]
+            slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(tables, positions_list)]
+            meta = AttentionMetadata(
+                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+                block_tables=block_table.to(device),
+                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                max_query_len=1, max_seq_len=max(seq_lens))
+            return (torch.tensor(token_ids, dtype=torch.int64, device=device),
+                    torch.tensor(positions_list, dtype=torch.int64, device=device), meta,
+                    torch.arange(num_seqs, device=device), sample_reqs)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
         qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
@@ -114,10 +133,6 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
         # Position of each token: its sequence's first new position plus its offset.
         positions = (s_lens - q_lens)[seq_index] + (torch.arange(num_tokens) - qsl[:-1][seq_index])
-        max_blocks = max(len(t) for t in tables)
-        # Padding entries point at block 0; seq_lens keeps them from being read.
-        block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
-                                   dtype=torch.int32)
         slot_mapping = (block_table[seq_index, positions // bs].to(torch.int64) * bs + positions % bs)
         sample_rows = (qsl[1:] - 1)[torch.tensor(sample_flags, dtype=torch.bool)]
         meta = AttentionMetadata(

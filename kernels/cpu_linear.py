@@ -18,7 +18,7 @@ _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "linear_f32_rows": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I32]),
     "linear_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
-    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P]),
+    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
 }
 
 
@@ -77,15 +77,16 @@ def linear_gguf(x: torch.Tensor, weight: GgufWeight,
     return out if status == 0 else None
 
 
-def dequantize_rows(weight: GgufWeight, row_ids: torch.Tensor) -> torch.Tensor | None:
-    """float32 [len(row_ids), in_features]: rows of a quantized embedding table. The
-    caller checks the ids are in range."""
+def dequantize_rows(weight: GgufWeight, row_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """float32 [len(row_ids), in_features]: rows of a quantized table (an embedding lookup;
+    the caller checks the ids are in range), or the whole table when row_ids is None."""
     lib = _library()
-    if lib is None or weight.qs.device.type != "cpu":
+    if lib is None or not weight.qs.is_cpu:
         return None
-    ids = row_ids.to(torch.int64).contiguous()
-    out = torch.empty((ids.numel(), weight.in_features), dtype=torch.float32)
+    ids = None if row_ids is None else row_ids.to(torch.int64).contiguous()
+    rows = weight.out_features if ids is None else ids.numel()
+    out = torch.empty(rows, weight.in_features, dtype=torch.float32)
     status = lib.dequantize_rows_gguf(FORMATS[weight.type_name][0], weight.qs.data_ptr(),
                                       weight.d.data_ptr(), _ptr(weight.offset), weight.in_features,
-                                      ids.data_ptr(), ids.numel(), out.data_ptr())
+                                      _ptr(ids), rows, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None

@@ -97,3 +97,13 @@ def test_dense_row_kernel_matches_torch(rows, in_features, out_features):
     assert dispatch.dense_linear_rows(x.bfloat16(), weight.bfloat16(), None) is None
     assert dispatch.dense_linear_rows(torch.randn(dispatch.DENSE_ROWS_MAX + 1, in_features),
                                       weight, None) is None
+
+
+def test_long_chunks_take_the_dense_gemm_on_the_dequantized_table():
+    weight, dense = gguf_weight("Q4_1", 40, 96)
+    x = torch.randn(dispatch.GGUF_DENSE_MIN_ROWS, 96)
+    bias = torch.randn(40)
+    # exact in x (no int8 activations) from GGUF_DENSE_MIN_ROWS rows on
+    torch.testing.assert_close(dispatch.gguf_linear(x, weight, bias), x @ dense.T + bias,
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu_linear.dequantize_rows(weight, None), dense, rtol=0, atol=1e-6)

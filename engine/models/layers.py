@@ -116,4 +116,5 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(dispatch.silu_mul(self.gate_up_proj(x)))
+        # .forward: see engine/models/llama.py LlamaAttention
+        return self.down_proj.forward(dispatch.silu_mul(self.gate_up_proj.forward(x)))

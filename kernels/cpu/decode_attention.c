@@ -128,8 +128,10 @@ int paged_decode_attention(const void *query, const void *key_cache, const void 
     if (head_dim > MAX_HEAD_DIM || num_heads > MAX_HEADS || block_size > 128) return -1;
     const job_t job = {query, key_cache, value_cache, out, block_tables, seq_lens, num_heads,
                        num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale};
-    /* Dynamic chunks: sequences have very different lengths. */
-    #pragma omp parallel for schedule(dynamic, 2) num_threads(num_threads < 1 ? 1 : num_threads)
+    /* Dynamic chunks: sequences have very different lengths. One sequence (a single
+     * stream) runs on this thread: waking the pool for it cost more than its attention. */
+    #pragma omp parallel for schedule(dynamic, 2) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (num_seqs > 1)
     for (int64_t seq = 0; seq < num_seqs; seq++) run_item(&job, seq);
     return 0;
 }

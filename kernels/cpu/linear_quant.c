@@ -209,6 +209,71 @@ static void dot_rows(int is_q8, const uint8_t *qa, const uint8_t *qb, const floa
         out[1] += db[paired] * xs[paired] * (float)q4_single_dot(qb + paired * (QK / 2), x);
     }
 }
+
+/* Batches (m >= 2): one weight row against four x rows at a time, so a block's codes are
+ * unpacked once for four rows and the block scaling is done per block pair in float (no
+ * cross-lane reduction, which needed more registers than a tile has). xs_pairs holds, per
+ * x row and block pair, the x scales spread as the pair's int32 lanes are: [s_b x4,
+ * s_b+1 x4]. */
+static void q4_row_tile(const uint8_t *qw, const float *dw, int64_t nblk, const int8_t *xq,
+                        const float *xs, const float *xs_pairs, int64_t k, int rows,
+                        float out[4]) {
+    const int64_t npairs = nblk / 2;
+    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int64_t p = 0; p < npairs; p++) {
+        const __m256i packed = _mm256_loadu_si256((const __m256i *)(qw + p * QK));
+        const __m256i low = _mm256_and_si256(packed, mask);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), mask);
+        const __m256 w_scales = _mm256_set_m128(_mm_set1_ps(dw[2 * p + 1]), _mm_set1_ps(dw[2 * p]));
+        for (int r = 0; r < 4; r++) {
+            if (r >= rows) break;
+            const int8_t *x = xq + r * k + p * 2 * QK;
+            const __m256i xa = _mm256_loadu_si256((const __m256i *)x);
+            const __m256i xb = _mm256_loadu_si256((const __m256i *)(x + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+            const __m256i dots = _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(),
+                                                                         low, xa), high, xb);
+#else
+            const __m256i dots = _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(low, xa),
+                                                                    _mm256_maddubs_epi16(high, xb)),
+                                                   ones);
+#endif
+            const __m256 scales = _mm256_mul_ps(w_scales,
+                                                _mm256_loadu_ps(xs_pairs + (r * npairs + p) * 8));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots), scales, acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        out[r] = hsum8(acc[r]);
+        if (nblk & 1) {  /* a last odd block, x in natural order */
+            const int64_t b = nblk - 1;
+            out[r] += dw[b] * xs[r * nblk + b] *
+                      (float)q4_single_dot(qw + b * (QK / 2), xq + r * k + b * QK);
+        }
+    }
+}
+
+static void q8_row_tile(const int8_t *qw, const float *dw, int64_t nblk, const int8_t *xq,
+                        const float *xs, int64_t k, int rows, float out[4]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nblk; b++) {
+        const __m256i w = _mm256_loadu_si256((const __m256i *)(qw + b * QK));
+        const __m256i w_abs = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < 4; r++) {
+            if (r >= rows) break;
+            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + r * k + b * QK));
+            const __m256i dots = _mm256_madd_epi16(
+                _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(x, w)), ones);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dots),
+                                     _mm256_set1_ps(dw[b] * xs[r * nblk + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = hsum8(acc[r]);
+}
 #else
 static float dot_one(int is_q8, const uint8_t *qs, const float *d, const int8_t *xq,
                      const float *xs, int64_t nblk) {
@@ -240,6 +305,17 @@ static void dot_rows(int is_q8, const uint8_t *qa, const uint8_t *qb, const floa
 }
 #endif
 
+/* y[r, j] = dot + the Q4 offsets' part + bias, stored as float32 or bf16. */
+static inline void store_output(void *y, int out_bf16, int64_t n, int64_t r, int64_t j, float dot,
+                                const float *offset, const float *qsums, const float *bias,
+                                int64_t nblk) {
+    float out = dot;
+    if (offset) out += dot_f32(offset + j * nblk, qsums + r * nblk, nblk);
+    if (bias) out += bias[j];
+    if (out_bf16) ((uint16_t *)y)[r * n + j] = f32_to_bf16(out);
+    else ((float *)y)[r * n + j] = out;
+}
+
 /* y [m, n] (fp32, or bf16 when out_bf16) = x W^T + bias for x [m, k] (fp32, or bf16 when
  * x_bf16). x is quantized here first (quantize_rows_q8; pair layout for the 4-bit
  * formats) into one malloc'd buffer: one call from Python instead of two and four
@@ -260,6 +336,38 @@ int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset
     float *qsums = scales + m * nblk;
     int8_t *xq = (int8_t *)(qsums + m * nblk);
     quantize_rows_q8(x, x_bf16, m, k, !is_q8, xq, scales, qsums, num_threads);
+#if defined(__AVX2__)
+    if (m >= 2) {
+        const int64_t npairs = nblk / 2;
+        float *xs_pairs = NULL;
+        if (!is_q8 && npairs > 0) {
+            xs_pairs = malloc((size_t)(m * npairs) * 8 * sizeof(float));
+            if (xs_pairs == NULL) { free(scales); return -2; }
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t p = 0; p < npairs; p++)
+                    for (int i = 0; i < 8; i++)
+                        xs_pairs[(r * npairs + p) * 8 + i] = scales[r * nblk + 2 * p + i / 4];
+        }
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k * m >= 65536)
+        for (int64_t j = 0; j < n; j++) {
+            for (int64_t r0 = 0; r0 < m; r0 += 4) {
+                const int rows = m - r0 < 4 ? (int)(m - r0) : 4;
+                float dots[4];
+                if (is_q8)
+                    q8_row_tile((const int8_t *)qs + j * row_bytes, d + j * nblk, nblk,
+                                xq + r0 * k, scales + r0 * nblk, k, rows, dots);
+                else
+                    q4_row_tile(qs + j * row_bytes, d + j * nblk, nblk, xq + r0 * k,
+                                scales + r0 * nblk, xs_pairs + r0 * npairs * 8, k, rows, dots);
+                for (int r = 0; r < rows; r++)
+                    store_output(y, out_bf16, n, r0 + r, j, dots[r], offset, qsums, bias, nblk);
+            }
+        }
+        free(xs_pairs);
+        free(scales);
+        return 0;
+    }
+#endif
     const int64_t pairs = (n + 1) / 2;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k * m >= 65536)
     for (int64_t p = 0; p < pairs; p++) {
@@ -268,26 +376,24 @@ int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset
             float dots[2];
             dot_rows(is_q8, qs + j0 * row_bytes, qs + j1 * row_bytes, d + j0 * nblk,
                      d + j1 * nblk, xq + r * k, scales + r * nblk, nblk, dots);
-            for (int64_t j = j0; j <= j1; j++) {
-                float out = dots[j - j0];
-                if (offset) out += dot_f32(offset + j * nblk, qsums + r * nblk, nblk);
-                if (bias) out += bias[j];
-                if (out_bf16) ((uint16_t *)y)[r * n + j] = f32_to_bf16(out);
-                else ((float *)y)[r * n + j] = out;
-            }
+            for (int64_t j = j0; j <= j1; j++)
+                store_output(y, out_bf16, n, r, j, dots[j - j0], offset, qsums, bias, nblk);
         }
     }
     free(scales);
     return 0;
 }
 
-/* Selected rows of W as float32 [rows, k]: the embedding lookup of a quantized table. */
+/* Rows of W as float32 [rows, k]: the embedding lookup of a quantized table (row_ids), or
+ * all of it (row_ids NULL) for a large batch's matmul. */
 int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const float *offset,
-                         int64_t k, const int64_t *row_ids, int64_t rows, float *out) {
+                         int64_t k, const int64_t *row_ids, int64_t rows, float *out,
+                         int num_threads) {
     if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
     const int64_t nblk = k / QK;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t j = row_ids[r];
+        const int64_t j = row_ids ? row_ids[r] : r;
         float *dst = out + r * k;
         for (int64_t b = 0; b < nblk; b++) {
             const float scale = d[j * nblk + b];
