@@ -94,3 +94,21 @@ def test_quantization_needs_a_gguf_model_and_a_known_name(tmp_path):
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="awq")
     assert EngineConfig.from_dict({"quantization": "gguf"}).quantization == "gguf"
+
+
+@pytest.mark.slow
+def test_cached_tables_equal_a_fresh_read(dense):
+    from engine.models.gguf_cache import converted_dir_for
+    from engine.models.gguf_weights import _CACHE_FILE, load_quantized
+    fresh = read_quantized(default_gguf_path(), dense.model)
+    load_quantized(default_gguf_path(), dense.model)  # writes the cache if absent
+    assert (converted_dir_for(default_gguf_path()) / _CACHE_FILE).is_file()
+    cached = load_quantized(default_gguf_path(), dense.model)
+    assert cached.keys() == fresh.keys()
+    assert cached["lm_head"] is cached["model.embed_tokens"]
+    for name, table in fresh.items():
+        other = cached[name]
+        assert (other.type_name, other.in_features) == (table.type_name, table.in_features)
+        assert torch.equal(other.qs, table.qs) and torch.equal(other.d, table.d), name
+        assert (other.offset is None) == (table.offset is None)
+        assert other.offset is None or torch.equal(other.offset, table.offset)

@@ -9,6 +9,7 @@ dense, and so does a fused layer whose parts differ in format.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 
@@ -115,4 +116,47 @@ def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
     if dense_left:
         logger.info("quantization gguf: %d tensors stay dense (formats without a kernel), "
                     "e.g. %s", len(dense_left), ", ".join(dense_left[:3]))
+    return result
+
+
+# Bump when the layout of the cached tables changes. In a subfolder: the converted
+# folder's own *.safetensors are the dense checkpoint.
+_CACHE_FILE = "quantized/gguf-tables-v1.safetensors"
+
+
+def load_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
+    """read_quantized, cached beside the file's converted folder (gguf_cache): parsing the
+    GGUF's metadata and reordering q/k took longer than the rest of the load."""
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.gguf_cache import converted_dir_for
+
+    cache = converted_dir_for(path) / _CACHE_FILE
+    if cache.is_file():
+        from safetensors import safe_open
+        with safe_open(str(cache), framework="pt") as handle:
+            index = json.loads(handle.metadata()["tables"])
+        tensors = load_file(str(cache))
+        tables = [GgufWeight(t["type"], tensors[f"{i}.qs"], tensors[f"{i}.d"],
+                             tensors.get(f"{i}.offset"), t["in_features"])
+                  for i, t in enumerate(index["tables"])]
+        return {name: tables[i] for name, i in index["names"].items()}
+    result = read_quantized(path, model)
+    unique = list({id(w): w for w in result.values()}.values())
+    position = {id(w): i for i, w in enumerate(unique)}
+    tensors: dict[str, torch.Tensor] = {}
+    for i, w in enumerate(unique):
+        tensors[f"{i}.qs"], tensors[f"{i}.d"] = w.qs, w.d
+        if w.offset is not None:
+            tensors[f"{i}.offset"] = w.offset
+    index = {"tables": [{"type": w.type_name, "in_features": w.in_features} for w in unique],
+             "names": {name: position[id(w)] for name, w in result.items()}}
+    tmp = cache.with_name(f".{cache.name}.{os.getpid()}")
+    try:  # written beside and renamed: concurrent first loads never read half a file
+        cache.parent.mkdir(exist_ok=True)
+        save_file(tensors, str(tmp), metadata={"tables": json.dumps(index)})
+        os.replace(tmp, cache)
+    except OSError as exc:  # a read-only cache still serves, only slower to load
+        logger.warning("quantization gguf: could not cache the tables at %s: %s", cache, exc)
+        tmp.unlink(missing_ok=True)
     return result

@@ -135,7 +135,7 @@ def _max_context(config: Any) -> int:
 def _quantize(net: nn.Module, model: str | os.PathLike | None, quantization: str,
               device: str | torch.device) -> None:
     from engine.models.gguf_cache import default_gguf_path
-    from engine.models.gguf_weights import read_quantized
+    from engine.models.gguf_weights import load_quantized
     from kernels import dispatch
 
     if quantization != "gguf":
@@ -149,7 +149,7 @@ def _quantize(net: nn.Module, model: str | os.PathLike | None, quantization: str
         logger.warning("quantization gguf: the native CPU kernels are unavailable (no C "
                        "compiler, or the build failed), so the weights stay dequantized")
         return
-    weights = read_quantized(source, net)
+    weights = load_quantized(source, net)
     net.quantize(weights)
     logger.info("quantization gguf: %d weight tables kept in their GGUF blocks (%.0f MB)",
                 len(weights), sum(w.nbytes for w in {id(w): w for w in weights.values()}.values()) / 1e6)

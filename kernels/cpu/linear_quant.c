@@ -22,6 +22,7 @@
 #endif
 
 enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids */
+enum { PREFETCH_PAIRS = 4 };
 
 /* x [rows, k] (fp32 or bf16) -> q [rows, k] int8, scale and scale * sum(q) [rows, k / 32].
  * pair_layout (for the 4-bit formats): each pair of blocks (b, b + 1) is stored as
@@ -372,6 +373,13 @@ int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k * m >= 65536)
     for (int64_t p = 0; p < pairs; p++) {
         const int64_t j0 = 2 * p, j1 = j0 + 1 < n ? j0 + 1 : j0;  /* odd n: the last twice */
+#if defined(__AVX2__)
+        /* The next row pairs' codes, a few pairs ahead: decode streams W from DRAM once,
+         * and the hardware prefetcher alone left the kernel waiting on it. */
+        const char *ahead = (const char *)(qs + (j0 + 2 * PREFETCH_PAIRS) * row_bytes);
+        if (j0 + 2 * PREFETCH_PAIRS + 1 < n)
+            for (int64_t off = 0; off < 2 * row_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+#endif
         for (int64_t r = 0; r < m; r++) {
             float dots[2];
             dot_rows(is_q8, qs + j0 * row_bytes, qs + j1 * row_bytes, d + j0 * nblk,
