@@ -12,7 +12,7 @@ from engine.models.gguf_cache import default_gguf_path
 from engine.models.gguf_weights import read_quantized
 from engine.models.layers import Linear
 from tests.tiny_model import make_tiny_model_dir
-from tests.test_models_support import PagedBatchBuilder
+from tests.test_models_support import last_logits
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -29,14 +29,6 @@ def dense():
 def quantized_llm():
     return LLM(None, dtype="float32", quantization="gguf", num_kv_blocks=256, max_num_seqs=8,
                max_model_len=1024)
-
-
-def _last_logits(loaded, toks):
-    builder = PagedBatchBuilder(block_size=16, num_blocks=8)
-    kv = builder.new_kv_caches(loaded, loaded.dtype)
-    ids, positions, meta = builder.build([("S", toks, 0)])
-    with torch.inference_mode():
-        return loaded.model.compute_logits(loaded.model(ids, positions, kv, meta)[-1:])[0]
 
 
 @pytest.mark.slow
@@ -66,8 +58,8 @@ def test_quantized_model_drops_dense_weights_and_stays_close(dense, quantized_ll
     tok = quantized_llm.get_tokenizer()
     for prompt in PROMPTS:
         ids = tok.encode(prompt)
-        expected = _last_logits(dense, ids)
-        got = _last_logits(loaded, ids)
+        expected = last_logits(dense, ids)
+        got = last_logits(loaded, ids)
         # int8 activations per 32-block (as llama.cpp computes Q4_1 x Q8_1) through 30
         # layers: 3-5% of the largest logit at most on these prompts (llama.cpp on the
         # same file: 2-4%); offsets against the exact x sums made it 6-13%

@@ -16,7 +16,7 @@ from engine.models import gguf_cache
 from engine.models.loader import resolve_dtype
 from tests.tiny_model import make_tiny_model_dir
 from kernels import cpu_features
-from tests.test_models_support import PagedBatchBuilder, hf_logits
+from tests.test_models_support import hf_logits, last_logits
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,14 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny"), arch="llama", seed=5)
-
-
-def _last_logits(loaded, toks):
-    builder = PagedBatchBuilder(block_size=16, num_blocks=8)
-    kv = builder.new_kv_caches(loaded, loaded.dtype)
-    ids, positions, meta = builder.build([("S", toks, 0)])
-    with torch.inference_mode():
-        return loaded.model.compute_logits(loaded.model(ids, positions, kv, meta)[-1:])[0]
 
 
 def test_hf_folder_facts(tiny_dir):
@@ -100,8 +92,8 @@ def test_explicit_bf16_runs_unpacked_where_oneDNN_cannot_prepack(tiny_dir, monke
     assert "emulated" in caplog.text and "avx2" in caplog.text
     assert all(m.packed is None for m in bf16.model.modules() if hasattr(m, "packed"))
     toks = [5, 99, 1234, 40000, 7]
-    got = _last_logits(bf16, toks).float()
-    ref = _last_logits(load_model(tiny_dir, torch.float32), toks)
+    got = last_logits(bf16, toks).float()
+    ref = last_logits(load_model(tiny_dir, torch.float32), toks)
     assert float((got - ref).abs().max()) < 0.05 * float(ref.abs().max()) + 0.05
 
 
@@ -112,7 +104,7 @@ def test_bin_checkpoint_fallback(tiny_dir, tmp_path):
     (bin_dir / "model.safetensors").unlink()
     torch.save(state, bin_dir / "pytorch_model.bin")
     toks = [5, 99, 1234, 40000, 7]
-    ours = _last_logits(load_model(bin_dir, torch.float32), toks)
+    ours = last_logits(load_model(bin_dir, torch.float32), toks)
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
     torch.testing.assert_close(ours, hf_logits(hf, toks)[-1], atol=1e-4, rtol=1e-4)
 
@@ -197,12 +189,12 @@ def test_default_model_matches_hf():
         add_generation_prompt=True)
     hf = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
     expected = hf_logits(hf, prompt)[-1]
-    bf16 = _last_logits(loaded, prompt)
+    bf16 = last_logits(loaded, prompt)
     # The top two logits of this prompt are ~0.1 apart, within bf16 noise, so only ask
     # that bf16's choice be one of the reference's top three.
     assert int(bf16.argmax()) in expected.topk(3).indices.tolist()
     # bf16 weights and activations through 30 layers vs an fp32 reference.
     assert float((bf16 - expected).abs().max()) < 0.05 * float(expected.abs().max()) + 0.5
-    fp32 = _last_logits(load_model(None, torch.float32), prompt)
+    fp32 = last_logits(load_model(None, torch.float32), prompt)
     torch.testing.assert_close(fp32, expected, atol=1e-3, rtol=1e-4)
     assert int(fp32.argmax()) == int(expected.argmax())

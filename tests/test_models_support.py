@@ -69,3 +69,12 @@ def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         out = hf_model(input_ids=torch.tensor([token_ids]), use_cache=False)
     return out.logits[0].float()
+
+
+def last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
+    """Our model's logits for the last position of one sequence, prefilled alone."""
+    builder = PagedBatchBuilder(block_size=16, num_blocks=8)
+    kv = builder.new_kv_caches(loaded, loaded.dtype)
+    ids, positions, meta = builder.build([("S", token_ids, 0)])
+    with torch.inference_mode():
+        return loaded.model.compute_logits(loaded.model(ids, positions, kv, meta)[-1:])[0]
