@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
-from backend.model_json import ModelJson, apply_gpu_memory_utilization
+from backend.model_json import ModelJson
 from engine.config import EngineConfig
 from engine.values import convert
 
@@ -50,7 +50,7 @@ def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = N
                      log: Callable[[str], None] = lambda _: None
                      ) -> tuple[EngineConfig, BackendOptions]:
     """Raises ValueError naming the offending parameter. `log` gets a line for what
-    model.json set that changes nothing here, and one for gpu_memory_utilization."""
+    model.json set that changes nothing here."""
     engine_args: dict[str, str] = {}
     options = BackendOptions()
     for key, value in params.items():
@@ -74,11 +74,6 @@ def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = N
     except ValueError as exc:
         where = "config.pbtxt" if not model_json.engine_args else "config.pbtxt / model.json"
         raise ValueError(f"invalid engine parameter in {where}: {exc}") from None
-    if model_json.gpu_memory_utilization is not None:
-        explicit_pool = "kv_cache_memory_bytes" in merged or "num_kv_blocks" in merged
-        config, note = apply_gpu_memory_utilization(config, model_json.gpu_memory_utilization,
-                                                    explicit_pool)
-        log(note)
     if model_json.ignored:
         log(f"model.json: accepted and ignored (no effect in this engine): "
             f"{', '.join(model_json.ignored)}")

@@ -14,11 +14,11 @@ import difflib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from backend import vllm_engine_args as vllm
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.values import to_bool, to_float, to_int
+from engine.values import to_bool, to_int
 
 FILE_NAME = "model.json"
 _OWN_NAMES = frozenset(f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig)
@@ -30,7 +30,6 @@ class ModelJson:
     """model.json as this engine's arguments; config.pbtxt parameters go on top."""
     # This engine's argument names (EngineConfig.from_dict) -> model.json values.
     engine_args: dict[str, Any] = field(default_factory=dict)
-    gpu_memory_utilization: float | None = None
     disable_log_stats: bool = False
     stream_interval: int | None = None
     # What was accepted but changes nothing, for the load log.
@@ -61,8 +60,6 @@ def parse_model_json(data: Any) -> ModelJson:
     for key, value in data.items():
         if key in vllm.RENAMED or key in _OWN_NAMES:
             _take_engine_arg(out, key, value)
-        elif key == vllm.GPU_MEMORY_UTILIZATION:
-            out.gpu_memory_utilization = _utilization(value)
         elif key == vllm.DISABLE_LOG_STATS:
             out.disable_log_stats = value is not None and to_bool(_named(key), value)
         elif key == vllm.STREAM_INTERVAL:
@@ -96,13 +93,6 @@ def _take_engine_arg(out: ModelJson, key: str, value: Any) -> None:
     out.engine_args[name] = value
 
 
-def _utilization(value: Any) -> float:
-    share = to_float(_named(vllm.GPU_MEMORY_UTILIZATION), value)
-    if not 0.0 < share <= 1.0:
-        raise ValueError(f"{_named(vllm.GPU_MEMORY_UTILIZATION)} must be in (0, 1], got {share}")
-    return share
-
-
 def _stream_interval(value: Any) -> int:
     interval = to_int(_named(vllm.STREAM_INTERVAL), value)
     if interval < 1:
@@ -120,35 +110,7 @@ def _same(value: Any, allowed: Any) -> bool:
 
 
 def _suggestion(key: str) -> str:
-    known = [*vllm.RENAMED, *_OWN_NAMES, vllm.GPU_MEMORY_UTILIZATION, vllm.DISABLE_LOG_STATS,
+    known = [*vllm.RENAMED, *_OWN_NAMES, vllm.DISABLE_LOG_STATS,
              *vllm.NO_EFFECT, *vllm.UNSUPPORTED]
     close = difflib.get_close_matches(key, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def cuda_total_memory(device: str) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(torch.device(device)).total_memory
-
-
-def apply_gpu_memory_utilization(config: EngineConfig, share: float, explicit_pool: bool,
-                                 total_memory: Callable[[str], int] = cuda_total_memory
-                                 ) -> tuple[EngineConfig, str]:
-    """The KV pool takes `share` of the GPU's memory. vLLM's share also covers the
-    weights and activations; here it is the pool's alone, so leave room for them. On a
-    CPU it is ignored, as vLLM's CPU backend ignores it: the pool is
-    kv_cache_memory_bytes. An explicit pool size (kv_cache_memory_bytes or
-    num_kv_blocks, from either file) wins, as kv_cache_memory_bytes does in vLLM.
-    Returns the config and a line for the load log."""
-    name = _named(vllm.GPU_MEMORY_UTILIZATION)
-    if explicit_pool:
-        return config, f"{name} ignored: the KV pool's size is given explicitly"
-    device = config.torch_device
-    if not device.startswith("cuda"):
-        return config, (f"{name} ignored on {device}, as vLLM's CPU backend does: the KV pool "
-                        f"is kv_cache_memory_bytes ({config.cache.kv_cache_memory_bytes} bytes)")
-    pool = int(share * total_memory(device))
-    cache = dataclasses.replace(config.cache, kv_cache_memory_bytes=pool)
-    return (dataclasses.replace(config, cache=cache),
-            f"{name} = {share}: KV pool of {pool} bytes on {device}")

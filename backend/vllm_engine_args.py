@@ -24,13 +24,13 @@ RENAMED = {
     "enable_prefix_caching": "enable_prefix_caching",
     "max_logprobs": "max_logprobs",
     "quantization": "quantization",  # None or "gguf" (EngineConfig checks)
+    "gpu_memory_utilization": "gpu_memory_utilization",  # the engine sizes the pool from it
+    "enforce_eager": "enforce_eager",  # no CUDA graphs on a GPU
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
 DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
-# Read by backend/model_json.py itself rather than handed to the engine.
-GPU_MEMORY_UTILIZATION = "gpu_memory_utilization"
 # As in vllm_backend: true turns REPORT_CUSTOM_METRICS off.
 DISABLE_LOG_STATS = "disable_log_stats"
 # Tokens per streamed response (vLLM >= 0.11): a backend option here, not the engine's.
@@ -40,7 +40,7 @@ STREAM_INTERVAL = "stream_interval"
 # Ray, logging, loading, tracing), not what it computes, or name something this engine
 # always does (chunked prefill) or that only matters with a feature that is off here.
 NO_EFFECT = frozenset({
-    "enforce_eager", "disable_log_requests", "enable_log_requests", "max_log_len",
+    "disable_log_requests", "enable_log_requests", "max_log_len",
     "disable_custom_all_reduce", "distributed_executor_backend", "worker_use_ray",
     "engine_use_ray", "ray_workers_use_nsight", "worker_cls", "worker_extension_cls",
     "max_seq_len_to_capture", "cudagraph_capture_sizes", "max_cudagraph_capture_size",

@@ -114,12 +114,12 @@ def build_plan(device: str, rehearse: bool, peak_bytes_per_s: float) -> list:
     """Cases and child jobs in run order: safe kernel cases, engine agreement, bandwidth,
     throughput, then the risky cases that may fault or fail to compile."""
     from bench.gpu_bandwidth import bandwidth_cases
-    from bench.gpu_engine_cases import (GREEDY_DTYPES, THROUGHPUT_BATCHES, greedy_case_name,
+    from bench.gpu_engine_cases import (GREEDY_RUNS, THROUGHPUT_BATCHES, greedy_case_name,
                                         throughput_case_name)
     from bench.gpu_kernel_cases import safe_cases
     from bench.gpu_report import ChildJob
     from bench.gpu_risky_cases import risky_cases
-    greedy = ChildJob("greedy", tuple(greedy_case_name(t) for t in GREEDY_DTYPES), 240)
+    greedy = ChildJob("greedy", tuple(greedy_case_name(t) for t in GREEDY_RUNS), 300)
     throughput = ChildJob("throughput",
                           tuple(throughput_case_name(b) for b in THROUGHPUT_BATCHES), 240)
     return [*safe_cases(device, rehearse), greedy,

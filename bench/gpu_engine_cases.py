@@ -21,7 +21,9 @@ from bench.gpu_models import (LLAMA_1B, SMOLLM2_135M, TINY_1B, TINY_SMOLLM2, Lla
                               build_llama, random_prompts, save_model_folder, weight_bytes)
 from bench.gpu_report import Case, Outcome
 
-GREEDY_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+# tag -> (dtype, enforce_eager): the eager run tells a CUDA-graph fault from a kernel one.
+GREEDY_RUNS = {"fp32": ("float32", False), "bf16": ("bfloat16", False),
+               "fp32 eager": ("float32", True)}
 # Largest CPU-side logit gap (between its token and the device's) still called a near tie:
 # fp32 logits of the two backends agree to ~1e-4; bf16 ones drift by ~0.1 over 30 layers.
 NEAR_TIE = {"float32": 0.01, "bfloat16": 0.5}
@@ -57,6 +59,17 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def compiled_variants() -> int | None:
+    """Compiled variants of the attention kernels so far (None under the interpreter):
+    serving after the engine's warm-up should add none."""
+    from kernels import triton_cache, triton_decode, triton_prefill
+    kernels = (triton_decode.decode_partition_kernel, triton_decode.decode_reduce_kernel,
+               triton_prefill.prefill_attention_kernel, triton_cache.reshape_and_cache_kernel)
+    if not all(hasattr(k, "device_caches") for k in kernels):
+        return None
+    return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
 
 
 # ---------------------------------------------------------------- greedy agreement
@@ -102,34 +115,41 @@ class GreedyJob:
         return self._model_dir
 
     def cases(self) -> list[Case]:
-        return [Case(greedy_case_name(tag), lambda dtype=dtype: self.agreement(dtype))
-                for tag, dtype in GREEDY_DTYPES.items()]
+        return [Case(greedy_case_name(tag), lambda run=run: self.agreement(*run))
+                for tag, run in GREEDY_RUNS.items()]
 
-    def agreement(self, dtype: str) -> Outcome:
+    def agreement(self, dtype: str, enforce_eager: bool) -> Outcome:
         from engine import SamplingParams
         shape = self.settings.greedy_shape
         prompts = random_prompts(4, [5, 17, 40, 100], shape.vocab_size, seed=1)
         params = SamplingParams(max_tokens=8 if self.settings.rehearse else 24, temperature=0.0,
                                 ignore_eos=True, logprobs=5)
-        cpu = self._generate(dtype, "cpu", prompts, params)
+        cpu, _ = self._generate(dtype, "cpu", prompts, params, False)
         self.log(f"{dtype} on cpu done")
-        dev = self._generate(dtype, self.settings.device, prompts, params)
+        dev, how = self._generate(dtype, self.settings.device, prompts, params, enforce_eager)
         good, detail = greedy_verdict(cpu, dev, NEAR_TIE[dtype])
+        detail += f"; {how}"
         if self.settings.device == "cpu":
             detail += " [rehearsal: CPU vs CPU]"
         return Outcome("PASS" if good else "FAIL", detail)
 
-    def _generate(self, dtype: str, device: str, prompts, params):
+    def _generate(self, dtype: str, device: str, prompts, params, enforce_eager: bool):
         from engine import LLM
         llm = LLM(str(self.model_dir()), dtype=dtype, device=device, max_model_len=256,
-                  max_num_batched_tokens=256, max_num_seqs=8, num_kv_blocks=64)
-        ran_on = llm.llm_engine.runner.device
-        if ran_on.type != torch.device(device).type:
-            raise RuntimeError(f"engine asked for {device} ran on {ran_on}")
+                  max_num_batched_tokens=256, max_num_seqs=8, num_kv_blocks=64,
+                  enforce_eager=enforce_eager)
+        runner = llm.llm_engine.runner
+        if runner.device.type != torch.device(device).type:
+            raise RuntimeError(f"engine asked for {device} ran on {runner.device}")
+        compiled = compiled_variants()
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        del llm
+        graphs = runner.decode_graphs.captured if runner.decode_graphs is not None else []
+        how = f"CUDA graphs {graphs}" if graphs else "eager"
+        if compiled is not None:
+            how += f", {compiled_variants() - compiled} Triton compiles after warm-up"
+        del llm, runner
         _free_memory()
-        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs]
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs], how
 
 
 # ---------------------------------------------------------------- throughput

@@ -8,6 +8,10 @@ from typing import Any, Mapping
 from engine.values import convert
 
 POLICIES = ("fcfs", "priority")
+# The KV pool on a CPU when no size is given (vLLM's CPU backend takes
+# VLLM_CPU_KVCACHE_SPACE, 4 GiB by default; a 2-core host rarely fills 2).
+CPU_KV_CACHE_BYTES = 2 * 1024**3
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 QUANTIZATIONS = (None, "gguf")
 
@@ -40,7 +44,12 @@ class CacheConfig:
     block_size: int = 16
     # None: derived from kv_cache_memory_bytes once the model shape is known.
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 2 * 1024**3
+    # None: CPU_KV_CACHE_BYTES on a CPU; on a GPU what gpu_memory_utilization leaves once
+    # the weights and a profiled forward are in (engine/gpu_memory.py).
+    kv_cache_memory_bytes: int | None = None
+    # vLLM's meaning: the share of the GPU's memory this engine may use in all (weights,
+    # activations, KV pool). None: 0.9. Ignored on a CPU, as vLLM's CPU backend does.
+    gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # Fraction of all blocks kept free when admitting new or resumed requests.
     watermark: float = 0.0
@@ -50,9 +59,17 @@ class CacheConfig:
             raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
         if self.num_kv_blocks is not None:
             _positive("num_kv_blocks", self.num_kv_blocks)
-        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    @property
+    def explicit_pool(self) -> bool:
+        return self.num_kv_blocks is not None or self.kv_cache_memory_bytes is not None
 
     @property
     def watermark_blocks(self) -> int:
@@ -79,6 +96,8 @@ class EngineConfig:
     # 0: every CPU the process may use (affinity, cgroup quota), fewer while other
     # processes keep some of them busy (engine/cpu_threads.py); N: exactly N threads.
     num_threads: int = 0
+    # vLLM's name: on a GPU, no CUDA graphs (decode steps launch kernel by kernel).
+    enforce_eager: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # Test-only: the model runner raises at this (1-based) engine step, once.

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 
-from engine.config import EngineConfig
+from engine.config import CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.cpu_threads import configure_threads
 from engine.detokenizer import IncrementalDetokenizer
 from engine.model_runner import ModelRunner
@@ -71,7 +71,11 @@ class LLMEngine:
                                   inject_failure_at_step=self.config.inject_failure_at_step)
         self.scheduler = Scheduler(sched_cfg, cache_cfg)
         warm_start = time.perf_counter()
-        self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
+        self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
+                            sched_cfg.max_model_len)
+        if self.runner.device.type == "cuda" and not self.config.enforce_eager:
+            self.runner.use_decode_graphs(sched_cfg.max_num_seqs, sched_cfg.max_model_len,
+                                          capture=True)
         warm_up_s = time.perf_counter() - warm_start
         # Load and warm-up span a long window: a busy neighbour is seen before the first step.
         if self._threads is not None:
@@ -102,7 +106,7 @@ class LLMEngine:
         num_blocks = cache.num_kv_blocks
         if num_blocks is None:
             per_block = loaded.kv_cache_bytes_per_token() * cache.block_size
-            num_blocks = cache.kv_cache_memory_bytes // per_block
+            num_blocks = LLMEngine._pool_bytes(config, loaded) // per_block
         needed = -(-max_model_len // cache.block_size)
         usable = num_blocks - int(cache.watermark * num_blocks)
         if usable < needed:
@@ -115,6 +119,28 @@ class LLMEngine:
             config,
             scheduler=dataclasses.replace(sched, max_model_len=max_model_len),
             cache=dataclasses.replace(cache, num_kv_blocks=num_blocks))
+
+    @staticmethod
+    def _pool_bytes(config: EngineConfig, loaded) -> int:
+        cache, device = config.cache, config.torch_device
+        if cache.gpu_memory_utilization is not None and (cache.explicit_pool
+                                                         or not device.startswith("cuda")):
+            why = "the KV pool's size is given" if cache.explicit_pool else (
+                f"on {device}, as vLLM's CPU backend ignores it")
+            logger.info("gpu_memory_utilization ignored: %s", why)
+        if cache.kv_cache_memory_bytes is not None:
+            return cache.kv_cache_memory_bytes
+        if not device.startswith("cuda"):
+            return CPU_KV_CACHE_BYTES
+        from engine.gpu_memory import profile_kv_pool_bytes
+        share = cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        sched = config.scheduler
+        pool = profile_kv_pool_bytes(loaded, share, sched.max_num_batched_tokens,
+                                     sched.max_num_seqs, cache.block_size)
+        logger.info("KV pool %.2f GiB: gpu_memory_utilization %s of %s after the weights "
+                    "and a profiled %d-token step", pool / 1024**3, share, device,
+                    sched.max_num_batched_tokens)
+        return pool
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 import torch
 
 from engine import host_memory
+from engine.cuda_graphs import DecodeGraphs
 from engine.models import AttentionMetadata
 from engine.models.loader import LoadedModel
 from engine.request import Request, SamplingParams
 from engine.sampler import Sampler
 from engine.scheduler import SchedulerOutput
+from kernels import dispatch
 
 
 @dataclass(slots=True)
@@ -44,6 +46,21 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.inject_failure_at_step = inject_failure_at_step
         self.num_steps = 0
+        self.decode_graphs: DecodeGraphs | None = None
+        # Per-step metadata is built on the host; on a GPU it goes up from page-locked
+        # memory without blocking (torch's caching host allocator reuses those pages, and
+        # keeps each until its copy is done).
+        self._pinned = self.device.type == "cuda"
+
+    def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
+        """Decode-only steps run through DecodeGraphs: captured CUDA graphs when `capture`
+        (a GPU), the same padded batches eagerly otherwise (what the tests check on CPU)."""
+        graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
+                              self.block_size, self.device)
+        if capture:
+            with torch.inference_mode():
+                graphs.capture()
+        self.decode_graphs = graphs
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
@@ -57,7 +74,11 @@ class ModelRunner:
         if self.num_steps == self.inject_failure_at_step:
             raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = None
+        if self.decode_graphs is not None and meta.max_query_len == 1:
+            hidden = self.decode_graphs.run(input_ids, positions, meta)
+        if hidden is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_reqs:
             return RunnerOutput({}, {})
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
@@ -117,13 +138,13 @@ class ModelRunner:
             positions_list = [end - 1 for end in seq_lens]
             slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(tables, positions_list)]
             meta = AttentionMetadata(
-                slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-                block_tables=block_table.to(device),
+                slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
+                block_tables=self._upload(block_table),
                 query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-                seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+                seq_lens=self._upload(torch.tensor(seq_lens, dtype=torch.int32)),
                 max_query_len=1, max_seq_len=max(seq_lens))
-            return (torch.tensor(token_ids, dtype=torch.int64, device=device),
-                    torch.tensor(positions_list, dtype=torch.int64, device=device), meta,
+            return (self._upload(torch.tensor(token_ids, dtype=torch.int64)),
+                    self._upload(torch.tensor(positions_list, dtype=torch.int64)), meta,
                     torch.arange(num_seqs, device=device), sample_reqs)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -136,22 +157,31 @@ class ModelRunner:
         slot_mapping = (block_table[seq_index, positions // bs].to(torch.int64) * bs + positions % bs)
         sample_rows = (qsl[1:] - 1)[torch.tensor(sample_flags, dtype=torch.bool)]
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device),
-            block_tables=block_table.to(device),
-            query_start_loc=qsl.to(torch.int32).to(device),
-            seq_lens=s_lens.to(torch.int32).to(device),
+            slot_mapping=self._upload(slot_mapping),
+            block_tables=self._upload(block_table),
+            query_start_loc=self._upload(qsl.to(torch.int32)),
+            seq_lens=self._upload(s_lens.to(torch.int32)),
             max_query_len=max(query_lens),
             max_seq_len=max(seq_lens),
         )
-        input_ids = torch.tensor(token_ids, dtype=torch.int64, device=device)
-        return input_ids, positions.to(device), meta, sample_rows.to(device), sample_reqs
+        input_ids = self._upload(torch.tensor(token_ids, dtype=torch.int64))
+        return (input_ids, self._upload(positions), meta, self._upload(sample_rows),
+                sample_reqs)
 
-    def warm_up(self, max_num_tokens: int, max_num_seqs: int) -> None:
+    def _upload(self, host: torch.Tensor) -> torch.Tensor:
+        if not self._pinned:
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
+
+    def warm_up(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         """Run a small prefill and a full batch of decodes through `execute` once, before
         serving (as vLLM's dummy run): the first step of a process paid ~0.8 s of MKL and
         oneDNN set-up plus the native kernels' load (fp32, AVX2 EPYC), and the first
         users of a fresh server paid it. The requests exist only here; their K/V lands in
-        blocks that no request owns yet, so it is never read."""
+        blocks that no request owns yet, so it is never read. On a GPU every attention
+        kernel variant reachable within the limits is compiled first."""
+        dispatch.warm_up(self.kv_caches[0][0], self.loaded.num_heads, max_model_len,
+                         max_num_tokens)
         bs = self.block_size
         # The test-only failure switch counts serving steps only.
         inject, self.inject_failure_at_step = self.inject_failure_at_step, 0

@@ -152,3 +152,15 @@ def gguf_embedding(token_ids: torch.Tensor, weight: GgufWeight, dtype: torch.dty
     if out is None:
         out = weight.dequantize(token_ids.long())
     return out.to(dtype)
+
+
+def warm_up(key_cache: torch.Tensor, num_heads: int, max_model_len: int,
+            max_num_batched_tokens: int) -> None:
+    """Compile the device kernels' variants before serving (CUDA: kernels/triton_warmup);
+    the CPU kernels are built ahead and need nothing."""
+    if key_cache.is_cuda:
+        from kernels import triton_warmup
+        _, block_size, num_kv_heads, head_dim = key_cache.shape
+        triton_warmup.warm_up_attention(num_heads, num_kv_heads, head_dim, block_size,
+                                        key_cache.dtype, key_cache.device, max_model_len,
+                                        max_num_batched_tokens)

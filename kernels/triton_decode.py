@@ -14,26 +14,30 @@ import triton.language as tl
 from kernels.triton_common import dot, load_kv_tile, online_softmax_update
 
 
-@triton.jit
+# Ints that follow the batch (block-table width, partition count and size) are not
+# specialized on (Triton would compile variants for == 1 and % 16 == 0): the compiled
+# set stays the one the start-up warm-up covers (kernels/triton_warmup.py).
+@triton.jit(do_not_specialize=["block_table_stride", "num_partitions", "partition_size"])
 def decode_partition_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         scale_log2, query_stride_token, query_stride_head, block_table_stride, num_partitions,
+        partition_size,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr,
-        SPLIT: tl.constexpr, FP32_DOT: tl.constexpr):
+        BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        FP32_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     row = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - row
     seq_len = tl.load(seq_lens_ptr + seq)
-    start = part * PARTITION_SIZE
+    start = part * partition_size
     # Partitions past the end are skipped; the reduce kernel ignores them via seq_len.
     if (query_len == 0) | (start >= seq_len):
         return
-    end = tl.minimum(start + PARTITION_SIZE, seq_len)
+    end = tl.minimum(start + partition_size, seq_len)
 
     groups = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, DIM_P2)
@@ -70,15 +74,15 @@ def decode_partition_kernel(
         tl.store(part_sum_ptr + slot, running_sum, mask=groups < GROUP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_partitions", "partition_size"])
 def decode_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
-                         seq_lens_ptr, num_partitions,
+                         seq_lens_ptr, num_partitions, partition_size,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
-                         PARTITION_SIZE: tl.constexpr, PARTS_P2: tl.constexpr):
+                         PARTS_P2: tl.constexpr):
     """Grid (sequence, head): softmax-weighted merge of the partition outputs.
 
-    num_partitions is a runtime value (it follows max_seq_len every step) so it does
-    not recompile; only its power-of-two bucket PARTS_P2 is compiled in.
+    num_partitions and partition_size are runtime values (they follow the batch every
+    step) so they do not recompile; only the count's power-of-two bucket PARTS_P2 is.
     """
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -86,7 +90,7 @@ def decode_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, quer
     if tl.load(query_start_loc_ptr + seq + 1) == row:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
-    used = tl.cdiv(seq_len, PARTITION_SIZE)
+    used = tl.cdiv(seq_len, partition_size)
     parts = tl.arange(0, PARTS_P2)
     dims = tl.arange(0, DIM_P2)
     in_use = parts < used

@@ -7,6 +7,7 @@ also handles the decode rows mixed into that batch.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ class AttentionTiles:
     """Tile sizes; defaults are for GPUs, tests shrink them to exercise edge cases."""
     block_n: int = 64           # keys per inner-loop iteration (>= 16, power of two)
     block_m: int = 64           # query rows (tokens x group heads) per prefill program
-    partition_size: int = 512   # context per decode program; more means a split-K reduce
+    # Context per decode program; more than that means a split-K reduce. 0: chosen per
+    # batch from the device's SM count (decode_partition_size).
+    partition_size: int = 0
     num_warps: int = 4
 
     def __post_init__(self) -> None:
@@ -32,8 +35,66 @@ class AttentionTiles:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name}: must be a power of two >= 16, got {value}")
-        if self.partition_size % self.block_n:
-            raise ValueError(f"partition_size: must be a multiple of block_n ({self.block_n})")
+        if self.partition_size < 0 or self.partition_size % self.block_n:
+            raise ValueError(f"partition_size: must be 0 (auto) or a multiple of block_n "
+                             f"({self.block_n}), got {self.partition_size}")
+
+
+# Fewer keys than this per decode program and the split's merge costs more than the
+# extra parallelism gives back (flash-decoding kernels use 256-512).
+MIN_PARTITION_SIZE = 256
+# Programs per SM the split aims for, so one program's tail does not idle an SM.
+PROGRAMS_PER_SM = 2
+
+
+def decode_partition_size(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                          block_n: int) -> int:
+    """Keys per decode program: the (sequence, KV head) grid is split along the context
+    only while it leaves SMs idle. Batch 64 x 8 KV heads fills an H200's 132 SMs
+    unsplit; one sequence at 32k context splits 32 ways (1,024 keys each)."""
+    programs = max(1, num_seqs * num_kv_heads)
+    wanted = -(-PROGRAMS_PER_SM * num_sms // programs)
+    size = triton.next_power_of_2(max(1, -(-max_seq_len // wanted)))
+    return max(size, MIN_PARTITION_SIZE, block_n)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the tensors' device; 1 under the interpreter (CPU)."""
+    if device.type != "cuda":
+        return 1
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True, slots=True)
+class DecodePlan:
+    partition_size: int
+    num_partitions: int
+
+    @property
+    def parts_p2(self) -> int:
+        """The reduce kernel's compiled bucket (0: no split, no reduce)."""
+        return triton.next_power_of_2(self.num_partitions) if self.num_partitions > 1 else 0
+
+
+def plan_decode(num_seqs: int, num_kv_heads: int, max_seq_len: int, sms: int,
+                tiles: AttentionTiles) -> DecodePlan:
+    size = tiles.partition_size or decode_partition_size(num_seqs, num_kv_heads, max_seq_len,
+                                                         sms, tiles.block_n)
+    return DecodePlan(size, max(1, triton.cdiv(max_seq_len, size)))
+
+
+def prefill_block_q(group: int, max_query_len: int, tiles: AttentionTiles) -> int:
+    """Query tokens per prefill program (BLOCK_Q, compiled in): a power of two whose
+    row count BLOCK_Q x GROUP_P2 is >= 16 (tl.dot's minimum) and at most block_m."""
+    group_p2 = triton.next_power_of_2(group)
+    block_q = max(1, tiles.block_m // group_p2)
+    block_q = min(block_q, triton.next_power_of_2(max_query_len))
+    return max(block_q, triton.cdiv(16, group_p2))
 
 
 DEFAULT_TILES = AttentionTiles()
@@ -83,7 +144,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     scale_log2 = scale * math.log2(math.e)
 
     if max_query_len == 1:
-        num_partitions = max(1, triton.cdiv(max_seq_len, tiles.partition_size))
+        plan = plan_decode(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device), tiles)
+        num_partitions = plan.num_partitions
         if num_partitions == 1:
             part_out = part_max = part_sum = out  # unused placeholders
         else:
@@ -96,23 +158,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
             *common, out, part_out, part_max, part_sum, scale_log2,
             query.stride(0), query.stride(1), block_tables.stride(0), num_partitions,
-            GROUP_P2=max(16, triton.next_power_of_2(group)),
-            PARTITION_SIZE=tiles.partition_size, SPLIT=num_partitions > 1,
-            num_warps=tiles.num_warps, **shape)
+            plan.partition_size, GROUP_P2=max(16, triton.next_power_of_2(group)),
+            SPLIT=num_partitions > 1, num_warps=tiles.num_warps, **shape)
         if num_partitions > 1:
             decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_max, part_sum, query_start_loc, seq_lens, num_partitions,
-                NUM_HEADS=num_heads, HEAD_DIM=head_dim, DIM_P2=shape["DIM_P2"],
-                PARTITION_SIZE=tiles.partition_size,
-                PARTS_P2=triton.next_power_of_2(num_partitions), num_warps=tiles.num_warps)
+                plan.partition_size, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                DIM_P2=shape["DIM_P2"], PARTS_P2=plan.parts_p2, num_warps=tiles.num_warps)
         return out
 
-    group_p2 = triton.next_power_of_2(group)
-    block_q = max(1, tiles.block_m // group_p2)
-    block_q = min(block_q, triton.next_power_of_2(max_query_len))
-    # keep the row count a power of two >= 16 for tl.dot
-    block_q = max(block_q, triton.cdiv(16, group_p2))
+    block_q = prefill_block_q(group, max_query_len, tiles)
     prefill_attention_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))](
         *common, out, scale_log2, query.stride(0), query.stride(1), block_tables.stride(0),
-        GROUP_P2=group_p2, BLOCK_Q=block_q, num_warps=tiles.num_warps, **shape)
+        GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q, num_warps=tiles.num_warps,
+        **shape)
     return out

@@ -14,7 +14,7 @@ import triton.language as tl
 from kernels.triton_common import dot, load_kv_tile, online_softmax_update
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["block_table_stride"])  # see decode_partition_kernel
 def prefill_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, out_ptr, scale_log2, query_stride_token, query_stride_head,

@@ -132,6 +132,58 @@ def test_tiles_reject_bad_sizes():
         triton_ops.AttentionTiles(block_n=64, partition_size=96)
 
 
+@pytest.mark.parametrize("sms", [1, 4, 132])
+def test_decode_split_fills_the_device_only_when_the_batch_does_not(sms):
+    for num_seqs, num_kv_heads in [(1, 1), (1, 8), (3, 2), (64, 8), (256, 1)]:
+        programs = num_seqs * num_kv_heads
+        for max_seq_len in [1, 100, 255, 256, 257, 1000, 4096, 32768, 131072]:
+            size = triton_ops.decode_partition_size(num_seqs, num_kv_heads, max_seq_len, sms, 64)
+            parts = -(-max_seq_len // size)
+            assert size & (size - 1) == 0 and size >= triton_ops.MIN_PARTITION_SIZE
+            if programs >= triton_ops.PROGRAMS_PER_SM * sms:
+                assert parts == 1  # the unsplit grid already fills the SMs
+            else:
+                # as many programs as wanted, unless partitions would get too short
+                assert programs * parts <= 2 * triton_ops.PROGRAMS_PER_SM * sms
+                assert (programs * parts * 2 > triton_ops.PROGRAMS_PER_SM * sms
+                        or size == triton_ops.MIN_PARTITION_SIZE)
+
+
+@pytest.mark.parametrize("tiles", [triton_ops.DEFAULT_TILES, SMALL_TILES], ids=["auto", "fixed"])
+def test_warm_up_covers_every_variant_a_server_can_meet(tiles):
+    """Brute force over batches within the limits: each variant paged_attention would
+    compile is one the start-up warm-up launches (no JIT stall while serving)."""
+    from kernels import triton_warmup
+    max_model_len, max_tokens = 3000, 700
+    lengths = sorted({*range(1, max_model_len + 1, 37), *(2**k + d for k in range(12)
+                                                          for d in (-1, 0, 1)), max_model_len})
+    lengths = [n for n in lengths if 1 <= n <= max_model_len]
+    for group in (1, 3, 8):
+        warmed = {case.key for case in triton_warmup.warm_up_cases(group, max_model_len,
+                                                                      max_tokens, tiles)}
+        met = set()
+        for sms in (1, 16, 132):
+            for num_kv_heads in (1, 2, 8):
+                for num_seqs in (1, 2, 3, 5, 8, 17, 64):
+                    met.update(triton_warmup.variant(num_seqs, num_kv_heads, group, 1, n, sms,
+                                                     tiles) for n in lengths)
+        met.update(triton_warmup.variant(1, 1, group, q, q, 1, tiles)
+                   for q in range(2, max_tokens + 1))
+        assert met <= warmed, f"group {group}: not warmed up: {met - warmed}"
+        # each case launches the variant it is listed for
+        for case in triton_warmup.warm_up_cases(group, max_model_len, max_tokens, tiles):
+            assert triton_warmup.variant(1, 1, group, case.max_query_len, case.seq_len, 1,
+                                         case.tiles) == case.key
+
+
+def test_warm_up_launches_run():
+    from kernels import triton_warmup
+    cases = triton_warmup.warm_up_attention(4, 2, 16, 8, torch.float32, torch.device(DEVICE),
+                                            max_model_len=600, max_num_batched_tokens=20,
+                                            tiles=SMALL_TILES)
+    assert {c.key[0] for c in cases} == {"decode", "prefill"}
+
+
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA: on CPU the dispatcher runs the torch path")
 def test_dispatch_runs_triton_on_cuda():
     import kernels

@@ -8,7 +8,7 @@ import pytest
 
 from backend import vllm_engine_args as vllm
 from backend.config_params import split_parameters
-from backend.model_json import apply_gpu_memory_utilization, parse_model_json, read_model_json
+from backend.model_json import parse_model_json, read_model_json
 from engine.config import EngineConfig
 
 # vllm_backend's sample model.json (samples/model_repository/vllm_model/1/model.json).
@@ -24,9 +24,10 @@ def settings(model_json: dict, params: dict | None = None):
 
 def test_vllm_backend_sample_reads_as_engine_arguments():
     parsed = parse_model_json(SAMPLE)
-    assert parsed.engine_args == {"model": "/models/opt-125m"}
-    assert parsed.gpu_memory_utilization == 0.5 and parsed.disable_log_stats is False
-    assert parsed.ignored == ["disable_log_requests", "enforce_eager"]
+    assert parsed.engine_args == {"model": "/models/opt-125m", "gpu_memory_utilization": 0.5,
+                                  "enforce_eager": True}
+    assert parsed.disable_log_stats is False
+    assert parsed.ignored == ["disable_log_requests"]
 
 
 def test_vllm_names_reach_the_engine_config():
@@ -60,10 +61,10 @@ def test_config_pbtxt_parameters_win_over_model_json():
 
 
 def test_args_without_effect_are_logged_and_unsupported_ones_pass_at_their_off_value():
-    _, _, lines = settings({"enforce_eager": False, "swap_space": 4, "tensor_parallel_size": 1,
-                            "enable_lora": False, "hf_overrides": {}})
+    _, _, lines = settings({"disable_log_requests": False, "swap_space": 4,
+                            "tensor_parallel_size": 1, "enable_lora": False, "hf_overrides": {}})
     assert len(lines) == 1
-    for name in ("enforce_eager", "swap_space", "tensor_parallel_size", "enable_lora"):
+    for name in ("disable_log_requests", "swap_space", "tensor_parallel_size", "enable_lora"):
         assert name in lines[0]
 
 
@@ -80,9 +81,9 @@ def test_args_without_effect_are_logged_and_unsupported_ones_pass_at_their_off_v
     ({"block_size": 7}, "model.json key 'block_size'"),
     ({"scheduling_policy": "random"}, "model.json key 'scheduling_policy' \\(policy here\\)"),
     ({"dtype": "int8"}, "model.json key 'dtype'"),
-    ({"gpu_memory_utilization": 1.5}, "'gpu_memory_utilization' must be in"),
-    ({"gpu_memory_utilization": 0}, "'gpu_memory_utilization' must be in"),
-    ({"gpu_memory_utilization": "half"}, "'gpu_memory_utilization' must be a number"),
+    ({"gpu_memory_utilization": 1.5}, "key 'gpu_memory_utilization'.* must be in"),
+    ({"gpu_memory_utilization": 0}, "key 'gpu_memory_utilization'.* must be in"),
+    ({"gpu_memory_utilization": "half"}, "key 'gpu_memory_utilization'"),
     ({"disable_log_stats": "sometimes"}, "'disable_log_stats'"),
 ])
 def test_bad_model_json_names_the_key(data, fragment):
@@ -98,7 +99,7 @@ def test_not_an_object_is_refused():
 def test_file_reading(tmp_path):
     assert read_model_json(tmp_path) is None  # config.pbtxt alone, as before model.json
     (tmp_path / "model.json").write_text(json.dumps(SAMPLE))
-    assert read_model_json(tmp_path).engine_args == {"model": "/models/opt-125m"}
+    assert read_model_json(tmp_path).engine_args == parse_model_json(SAMPLE).engine_args
     (tmp_path / "model.json").write_text('{"model": "x",}')
     with pytest.raises(ValueError, match="model.json: not readable as JSON"):
         read_model_json(tmp_path)
@@ -113,30 +114,17 @@ def test_disable_log_stats_turns_custom_metrics_off_as_in_vllm_backend():
     assert on.report_custom_metrics and not off.report_custom_metrics
 
 
-def test_gpu_memory_utilization_is_ignored_on_cpu():
-    config, _, lines = settings({"gpu_memory_utilization": 0.5}, {"device": "cpu"})
-    assert config.cache.kv_cache_memory_bytes == EngineConfig().cache.kv_cache_memory_bytes
-    assert "ignored on cpu" in lines[0]
-
-
-def test_gpu_memory_utilization_sizes_the_kv_pool_on_a_gpu():
-    config = EngineConfig.from_dict({"device": "cuda"})
-    sized, note = apply_gpu_memory_utilization(config, 0.25, explicit_pool=False,
-                                               total_memory=lambda device: 8 << 30)
-    assert sized.cache.kv_cache_memory_bytes == 2 << 30 and "on cuda" in note
-    kept, note = apply_gpu_memory_utilization(config, 0.25, explicit_pool=True,
-                                              total_memory=lambda device: 8 << 30)
-    assert kept.cache == config.cache and "given explicitly" in note
-
-
-def test_an_explicit_pool_size_wins_over_gpu_memory_utilization():
-    _, _, lines = settings({"gpu_memory_utilization": 0.5, "num_gpu_blocks_override": 64})
-    assert "given explicitly" in lines[0]
+def test_gpu_memory_utilization_and_enforce_eager_reach_the_engine():
+    config, _, lines = settings({"gpu_memory_utilization": 0.5, "enforce_eager": True})
+    assert config.cache.gpu_memory_utilization == 0.5 and config.enforce_eager
+    assert not config.cache.explicit_pool and not lines
+    config, _, _ = settings({"gpu_memory_utilization": 0.5, "num_gpu_blocks_override": 64})
+    assert config.cache.explicit_pool
 
 
 def test_name_tables_do_not_overlap():
     groups = [set(vllm.RENAMED), set(vllm.NO_EFFECT), set(vllm.UNSUPPORTED),
-              {vllm.GPU_MEMORY_UTILIZATION, vllm.DISABLE_LOG_STATS}]
+              {vllm.DISABLE_LOG_STATS}]
     for i, a in enumerate(groups):
         for b in groups[i + 1:]:
             assert not a & b, a & b

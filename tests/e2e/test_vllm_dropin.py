@@ -105,7 +105,7 @@ def dropin_server(tmp_path_factory, tiny_model_dir):
     _model(repo, "pbtxt_wins", SAMPLE_CONFIG + _parameters(
         {"block_size": PBTXT_BLOCK_SIZE, "num_kv_blocks": PBTXT_BLOCKS, "REPORT_CUSTOM_METRICS": "true"}),
         {"model": tiny, "block_size": 8, "num_gpu_blocks_override": 100, "max_model_len": 512,
-         "enforce_eager": True})
+         "enforce_eager": True, "disable_log_requests": True})
     _model(repo, "legacy_llm", LEGACY_CONFIG + _parameters({"model": tiny, **TINY_ENGINE_ARGS}),
            model_py=LEGACY_MODEL_PY)
     with running_server(repo, work, timeout=300) as handle:
@@ -204,7 +204,7 @@ def test_config_pbtxt_beats_model_json_and_cache_config_info_is_exported(dropin_
                       "vllm:kv_cache_usage_perc"):
             assert _metric_lines(dropin_server, gauge, "pbtxt_wins"), gauge
         log = dropin_server.log_path.read_text(errors="replace")
-        assert "pbtxt_wins: model.json: accepted and ignored" in log and "enforce_eager" in log
+        assert "pbtxt_wins: model.json: accepted and ignored" in log and "disable_log_requests" in log
 
 
 def test_model_py_folders_keep_working(dropin_server):
