@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear, cpu_native, reference
+from kernels import cpu_decode_step, cpu_linear, cpu_native, reference
+from kernels.cpu_decode_step import DecodeStepPlan, LayerWeights
 from kernels.gguf_weight import GgufWeight
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
@@ -164,3 +165,13 @@ def warm_up(key_cache: torch.Tensor, num_heads: int, max_model_len: int,
         triton_warmup.warm_up_attention(num_heads, num_kv_heads, head_dim, block_size,
                                         key_cache.dtype, key_cache.device, max_model_len,
                                         max_num_batched_tokens)
+
+
+def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int,
+                     head_dim: int, rot_half: int, eps: float, scale: float,
+                     cos_table: torch.Tensor, sin_table: torch.Tensor,
+                     final_norm: torch.Tensor) -> DecodeStepPlan | None:
+    """A single sequence's decode step through every layer in one native call (float32
+    on CPU; kernels/cpu_decode_step.py), or None where it does not apply."""
+    return cpu_decode_step.plan(layers, num_heads, num_kv_heads, head_dim, rot_half, eps,
+                                scale, cos_table, sin_table, final_norm)

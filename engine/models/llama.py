@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.models import single_decode
 from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
 from engine.models.rope import RotaryEmbedding
@@ -99,6 +100,10 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, self.rotary, dtype)
                                     for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        # One sequence decoding runs all layers in one native call where it applies
+        # (engine/models/single_decode.py); False keeps the layer-by-layer path.
+        self.single_decode = True
+        self._single_plan: tuple[int, object] | None = None  # (KV cache address, plan or None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
@@ -108,12 +113,24 @@ class LlamaModel(nn.Module):
             x = dispatch.gguf_embedding(input_ids, self.embed_quantized, self.norm.weight.dtype)
         else:
             x = F.embedding(input_ids, self.embed_tokens.weight)
+        if self.single_decode and meta.max_query_len == 1 and input_ids.shape[0] == 1:
+            plan = self._plan_for(kv_caches)
+            if plan is not None:
+                hidden = single_decode.run(plan, x, positions, meta)
+                if hidden is not None:
+                    return hidden
         cos_sin = self.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer.forward(cos_sin, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def _plan_for(self, kv_caches: list[KVCache]):
+        key = kv_caches[0][0].data_ptr()
+        if self._single_plan is None or self._single_plan[0] != key:
+            self._single_plan = (key, single_decode.build_plan(self, kv_caches))
+        return self._single_plan[1]
 
 
 # HF checkpoint name -> (our param name, shard index within the fused param).

@@ -1,0 +1,46 @@
+"""A single sequence's decode step in one native call (kernels/cpu_decode_step.py): what
+a single stream spends its time on once the matmuls are fast is the ~10 Python-level
+kernel calls a layer, and this skips them. The layer-by-layer forward stays the
+reference; the plan is bit-equal to it and built only where it applies."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.models.attention import AttentionMetadata
+from engine.models.layers import Linear
+from kernels import dispatch
+from kernels.dispatch import DecodeStepPlan, LayerWeights
+
+
+def _weight(linear: Linear):
+    return (linear.quantized if linear.quantized is not None else linear.weight, linear.bias)
+
+
+def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
+    """model: a LlamaModel; None unless every layer is float32 on CPU with dense or GGUF
+    weights (bf16, GPUs and other formats keep the layer-by-layer path)."""
+    layers = []
+    for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
+        attn, mlp = layer.self_attn, layer.mlp
+        layers.append(LayerWeights(
+            qkv=_weight(attn.qkv_proj), o=_weight(attn.o_proj), gate_up=_weight(mlp.gate_up_proj),
+            down=_weight(mlp.down_proj), input_norm=layer.input_layernorm.weight,
+            post_norm=layer.post_attention_layernorm.weight, key_cache=key_cache,
+            value_cache=value_cache))
+    first = model.layers[0]
+    attn = first.self_attn
+    if not (first.input_layernorm.eps == first.post_attention_layernorm.eps == model.norm.eps):
+        return None
+    return dispatch.decode_step_plan(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                                     model.rotary.rot_half, model.norm.eps, attn.attn.scale,
+                                     model.rotary.cos, model.rotary.sin, model.norm.weight)
+
+
+def run(plan: DecodeStepPlan, embedding: torch.Tensor, positions: torch.Tensor,
+        meta: AttentionMetadata) -> torch.Tensor | None:
+    tables = meta.block_tables
+    if tables.dtype != torch.int32 or not tables.is_contiguous() or not embedding.is_contiguous():
+        return None
+    return plan.run(embedding, int(positions[0]), int(meta.slot_mapping[0]), tables,
+                    int(meta.seq_lens[0]))
