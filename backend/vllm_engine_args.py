@@ -17,6 +17,8 @@ RENAMED = {
     "max_num_seqs": "max_num_seqs",
     "max_num_batched_tokens": "max_num_batched_tokens",
     "long_prefill_token_threshold": "long_prefill_token_threshold",
+    "max_num_partial_prefills": "max_num_partial_prefills",  # enforced here (V0's meaning)
+    "max_long_partial_prefills": "max_long_partial_prefills",
     "scheduling_policy": "policy",
     "block_size": "block_size",
     "num_gpu_blocks_override": "num_kv_blocks",
@@ -47,8 +49,7 @@ NO_EFFECT = frozenset({
     "compilation_config", "optimization_level", "performance_mode", "attention_backend",
     "enable_flashinfer_autotune", "async_scheduling", "use_v2_block_manager", "swap_space",
     "preemption_mode", "num_scheduler_steps", "multi_step_stream_outputs",
-    "scheduler_delay_factor", "enable_chunked_prefill", "max_num_partial_prefills",
-    "max_long_partial_prefills", "disable_chunked_mm_input", "kv_sharing_fast_prefill",
+    "scheduler_delay_factor", "enable_chunked_prefill", "disable_chunked_mm_input", "kv_sharing_fast_prefill",
     "disable_sliding_window", "disable_cascade_attn", "prefix_caching_hash_algo",
     "max_parallel_loading_workers", "download_dir", "hf_token", "trust_remote_code",
     "use_tqdm_on_load", "safetensors_load_strategy", "pt_load_map_location",

@@ -25,6 +25,14 @@ class SchedulerConfig:
     # 0 disables the per-request chunk cap; otherwise each request gets at most
     # this many tokens per step so long prompts cannot starve decodes.
     long_prefill_token_threshold: int = 0
+    # vLLM V0's limits on prefills in one step (engine/partial_prefills.py); 0: no limit.
+    # max_long_partial_prefills 0 means max_num_partial_prefills.
+    max_num_partial_prefills: int = 0
+    max_long_partial_prefills: int = 0
+    # A request readmitted after k preemptions is not the preemption victim for the next
+    # k steps while another can be (engine/scheduler.py _pick_victim): against a request
+    # evicted at every chunk of its recompute, at some cost in recomputed tokens.
+    shield_resumed: bool = False
     policy: str = "fcfs"
 
     def __post_init__(self) -> None:
@@ -35,6 +43,16 @@ class SchedulerConfig:
         if self.long_prefill_token_threshold < 0:
             raise ValueError("long_prefill_token_threshold must be >= 0, "
                              f"got {self.long_prefill_token_threshold}")
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if self.max_long_partial_prefills and not self.max_num_partial_prefills:
+            raise ValueError("max_long_partial_prefills needs max_num_partial_prefills")
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) "
+                             f"must be <= max_num_partial_prefills "
+                             f"({self.max_num_partial_prefills})")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 

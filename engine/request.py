@@ -173,7 +173,7 @@ class Request:
                  "cache_salt", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_cached_tokens", "status", "num_preemptions", "stop_reason",
                  "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens",
-                 "grammar")
+                 "grammar", "resumed_at_step")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
@@ -211,6 +211,8 @@ class Request:
         self.num_cached_tokens = -1  # prefix-cache hit on first admission; -1 = not yet looked up
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
+        # The scheduler step that last readmitted it after a preemption (-1: never).
+        self.resumed_at_step = -1
         self.stop_reason: int | str | list[int] | None = None
         # Ended by an EOS or stop_token_ids entry: TensorRT-LLM leaves that id out of its output.
         self.finished_on_stop_token = False

@@ -37,6 +37,10 @@ class FCFSQueue:
     def remove(self, request: Request) -> None:
         del self._items[request]
 
+    def head(self, count: int) -> list[Request]:
+        """The first `count` requests in queue order."""
+        return list(itertools.islice(self._items, count))
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -84,6 +88,10 @@ class PriorityQueue:
         if len(self._heap) > 2 * len(self._live) + 16:
             self._heap = [(r, t) for r, t in self._heap if self._live.get(r) == t]
             heapq.heapify(self._heap)
+
+    def head(self, count: int) -> list[Request]:
+        """The first `count` requests in queue order, without disturbing the heap."""
+        return heapq.nsmallest(count, self._live)
 
     def _drop_dead_top(self) -> None:
         heap = self._heap

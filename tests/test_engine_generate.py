@@ -62,6 +62,13 @@ def test_preemption_chunking_and_prefix_hits_do_not_change_greedy_output(tiny):
     assert stats.prefix_cache_hits > 0
     assert stressed == plain
     assert stats.kv_cache_usage == 0.0
+    # The same under partial-prefill limits and the preemption shield.
+    limited_llm = LLM(tiny, dtype="float32", block_size=4, num_kv_blocks=40, max_model_len=150,
+                      max_num_batched_tokens=24, max_num_seqs=8, max_num_partial_prefills=2,
+                      max_long_partial_prefills=1, long_prefill_token_threshold=7,
+                      shield_resumed=True)
+    assert generate_ids(limited_llm, prompts) == plain
+    assert limited_llm.llm_engine.get_stats().num_preemptions_total > 0
 
 
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny):

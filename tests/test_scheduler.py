@@ -334,3 +334,77 @@ def test_priority_victim_preempted_after_its_grant_is_undone_cleanly():
     assert low.num_computed_tokens == 0
     # low's token at position 4 was never computed: its hash must not be served.
     assert low.block_hashes[4] not in s.kv_cache_manager.block_pool.cached_blocks
+
+
+def test_partial_prefill_limits_let_short_prompts_start_behind_long_ones():
+    """Two 500-token prompts ahead of two 10-token ones, 64 tokens a step. Without
+    limits the long ones take every step's budget and the short ones start after them;
+    with 2 prefills a step, 1 of them long, each prefill gets 32 tokens, the second long
+    prompt waits its turn and the short ones start at once."""
+    def first_token_steps(**limits):
+        s = make(max_num_batched_tokens=64, **limits)
+        requests = [req(name, length, max_tokens=4) for name, length in
+                    (("long1", 500), ("long2", 500), ("short1", 10), ("short2", 10))]
+        for r in requests:
+            s.add_request(r)
+        first, steps = {}, 0
+        while s.has_unfinished_requests():
+            out, _, _ = step(s)
+            steps += 1
+            for r in requests:
+                if r.num_output_tokens:
+                    first.setdefault(r.request_id, steps)
+            if limits:
+                prefills = [r for r in out.scheduled_requests
+                            if out.num_scheduled_tokens[r.request_id] > 1]
+                assert len(prefills) <= 2
+                assert all(out.num_scheduled_tokens[r.request_id] <= 32 for r in prefills)
+        return first
+
+    plain = first_token_steps()
+    assert plain["short1"] >= 15 and plain["short2"] >= 15  # after ~1,000 prompt tokens
+    limited = first_token_steps(max_num_partial_prefills=2, max_long_partial_prefills=1)
+    assert limited["short1"] == 1 and limited["short2"] == 2
+    assert limited["long1"] < limited["long2"]  # the long ones keep their order
+
+
+def test_partial_prefill_limits_are_validated():
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=1, max_long_partial_prefills=2)
+    with pytest.raises(ValueError, match="needs max_num_partial_prefills"):
+        SchedulerConfig(max_long_partial_prefills=1)
+    with pytest.raises(ValueError, match="max_num_partial_prefills"):
+        SchedulerConfig(max_num_partial_prefills=-1)
+
+
+def test_shield_resumed_ends_the_evict_at_every_chunk_thrash():
+    """vllm#25538: two long-running requests fill the pool; a late prompt is readmitted
+    with room for one chunk and, as the latest admitted, evicts itself at its next one,
+    again and again until the others finish. Shielded for k steps after its k-th
+    readmission, it evicts another request instead and gets going. Outputs are the same."""
+    def run(shield):
+        s = make(num_blocks=64, block_size=4, max_num_batched_tokens=8, max_model_len=256,
+                 caching=False, shield_resumed=shield)
+        runner = FakeModelRunner(64, 4)
+        for name in ("a", "b"):
+            s.add_request(req(name, 60, max_tokens=100, ignore_eos=True))
+        late = req("late", 32, max_tokens=4, ignore_eos=True)
+        first_token, outputs, steps = None, {}, 0
+        while s.has_unfinished_requests() or steps < 60:
+            if steps == 60:
+                s.add_request(late)
+            out = s.schedule()
+            steps += 1
+            sampled = runner.execute(out)
+            if "late" in sampled and first_token is None:
+                first_token = steps - 60
+            for r in s.update_from_output(out, sampled):
+                outputs[r.request_id] = list(r.output_token_ids)
+            check_state(s)
+        return first_token, late.num_preemptions, outputs
+
+    old_first, old_preemptions, old_outputs = run(False)
+    first, preemptions, outputs = run(True)
+    assert old_first > 50 and old_preemptions >= 5  # stuck until a and b are done
+    assert first < 20 and preemptions <= 2
+    assert outputs == old_outputs

@@ -25,11 +25,15 @@ def workloads(draw, allow_aborts=True):
     while least - int(watermark * least) < needed:
         least += 1
     num_blocks = draw(st.integers(least, max(least, 3 * max_model_len // block_size + 4)))
+    partial = draw(st.sampled_from([0, 0, 1, 2, 3]))
     sched = SchedulerConfig(
         max_num_batched_tokens=draw(st.integers(1, 128)),
         max_num_seqs=draw(st.integers(1, 12)),
         max_model_len=max_model_len,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 1, 5, 17])),
+        max_num_partial_prefills=partial,
+        max_long_partial_prefills=draw(st.integers(0, partial)),
+        shield_resumed=draw(st.booleans()),
         policy=draw(st.sampled_from(["fcfs", "priority"])))
     cache = CacheConfig(num_kv_blocks=num_blocks, block_size=block_size,
                         enable_prefix_caching=draw(st.booleans()),
