@@ -118,6 +118,10 @@ class EngineConfig:
     enforce_eager: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # JSON Lines workload trace (engine/trace.py) for the replay and the tuner (tune/);
+    # None: off. Past trace_max_bytes the file moves to <path>.1 and a new one begins.
+    trace_path: str | None = None
+    trace_max_bytes: int = 64 * 1024**2
     # Test-only: the model runner raises at this (1-based) engine step, once.
     inject_failure_at_step: int = 0
 
@@ -130,6 +134,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if not isinstance(self.trace_max_bytes, int) or self.trace_max_bytes < 1024:
+            raise ValueError(f"trace_max_bytes must be an integer >= 1024, got {self.trace_max_bytes!r}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"num_threads must be an integer >= 0, got {self.num_threads!r}")
 

@@ -19,6 +19,7 @@ from engine.request import (CompletionOutput, Request, RequestMetrics, RequestOu
 from engine.sampler import SamplingError
 from engine.structured_output import GrammarCompiler, RequestGrammar
 from engine.scheduler import Scheduler, SchedulerOutput
+from engine.trace import TraceRecorder, step_features
 from kernels import cpu_features
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class LLMEngine:
                                                 self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._parallel = ParallelSampling()
+        self.trace = self._open_trace(self.config, loaded)
         self.prompt_tokens_total = 0
         logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
                     "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
@@ -119,6 +121,20 @@ class LLMEngine:
             config,
             scheduler=dataclasses.replace(sched, max_model_len=max_model_len),
             cache=dataclasses.replace(cache, num_kv_blocks=num_blocks))
+
+    @staticmethod
+    def _open_trace(config: EngineConfig, loaded) -> TraceRecorder | None:
+        if config.trace_path is None:
+            return None
+        sched, cache = config.scheduler, config.cache
+        args = {**dataclasses.asdict(sched), **dataclasses.asdict(cache), "dtype": config.dtype,
+                "quantization": config.quantization}
+        header = {"block_size": cache.block_size, "model": str(loaded.model_dir),
+                  "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
+                  "dtype": str(loaded.dtype).removeprefix("torch."),
+                  "host": cpu_features.detect().describe(), "engine_args": args}
+        logger.info("recording a workload trace to %s", config.trace_path)
+        return TraceRecorder(config.trace_path, config.trace_max_bytes, header)
 
     @staticmethod
     def _pool_bytes(config: EngineConfig, loaded) -> int:
@@ -199,6 +215,9 @@ class LLMEngine:
             request_ids = [request_ids]
         aborted = self.scheduler.finish_requests(self._parallel.sequence_ids(request_ids),
                                                  RequestStatus.FINISHED_ABORTED)
+        if self.trace is not None:
+            for request in aborted:
+                self.trace.finished(request, cancelled=True)
         return self._parallel.merge([self._output(self._tracked.pop(r.request_id))
                                      for r in aborted if r.request_id in self._tracked])
 
@@ -215,6 +234,10 @@ class LLMEngine:
         aborted: those whose sampling failed on their own (the rest of the batch resamples
         next step), or, when the model failed, every request of the step. The engine is
         then ready for the next step."""
+        trace = self.trace
+        if trace is not None:
+            step_start = trace.now()
+            preemptions = self.scheduler.num_preemptions_total
         sched_out = self.scheduler.schedule()
         if not sched_out.scheduled_requests:
             if sched_out.finished_req_ids:
@@ -226,7 +249,14 @@ class LLMEngine:
             result = self.runner.execute(sched_out)
         except Exception as exc:
             raise self._fail_step(sched_out, exc) from exc
+        if trace is not None:
+            features = step_features(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result.sampled_token_ids)
+        if trace is not None:
+            for request in updated:
+                trace.first_token(request)
+                if request.is_finished:
+                    trace.finished(request)
         outputs: list[RequestOutput] = []
         for request in updated:
             rid = request.request_id
@@ -240,6 +270,9 @@ class LLMEngine:
             output = self._output(tracked)
             if output.finished or output.outputs[0].delta_token_ids:
                 outputs.append(output)
+        if trace is not None:  # the step's time includes building its outputs
+            trace.step(features, step_start, trace.now() - step_start,
+                       self.scheduler.num_preemptions_total - preemptions)
         return self._parallel.merge(outputs)
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> EngineStepError:
@@ -268,7 +301,10 @@ class LLMEngine:
         return EngineStepError(f"model execution failed: {exc}", client_ids)
 
     def _abort_failed(self, request_ids: list[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        failed = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        if self.trace is not None:
+            for request in failed:
+                self.trace.finished(request)
         for rid in request_ids:
             self._tracked.pop(rid, None)
         self._parallel.forget(request_ids)

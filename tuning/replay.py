@@ -1,0 +1,252 @@
+"""Replay a recorded workload on the real Scheduler and KVCacheManager under any engine
+arguments, with a virtual clock advanced by the step-time model: no model runs.
+
+Each recorded request comes back with its arrival time, priority, limits and output
+length, and a synthetic prompt whose blocks are equal exactly where the recorded chained
+block hashes were (the same prefixes are shared, to the same depth). It finishes after
+its recorded number of output tokens, or is cancelled at its recorded time.
+
+    python -m tuning.replay TRACE [--set max_num_seqs=32 ...] [--compare]
+--compare prints the measured figures of the trace beside the replay's (the replay must
+run under the recorded settings for that to mean anything).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.request import Request, SamplingParams
+from engine.scheduler import Scheduler
+from engine.trace import step_features
+from engine.values import convert
+from tuning.step_model import StepModel, held_out_error, step_durations
+from tuning.trace_file import Trace, read_trace
+
+_FIELDS = {cls: {f.name: f for f in dataclasses.fields(cls)}
+           for cls in (SchedulerConfig, CacheConfig)}
+
+
+def configs(trace: Trace, overrides: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
+    """The recorded engine arguments with `overrides` on top (values may be strings)."""
+    args = {**trace.engine_args, **overrides}
+    unknown = set(overrides) - set(_FIELDS[SchedulerConfig]) - set(_FIELDS[CacheConfig])
+    if unknown:
+        raise ValueError(f"not a scheduler or cache argument: {sorted(unknown)}")
+    built = []
+    for cls, fields in _FIELDS.items():
+        values = {name: convert(name, args[name], str(f.type))
+                  for name, f in fields.items() if name in args}
+        built.append(cls(**values))
+    sched, cache = built
+    if "num_kv_blocks" not in overrides and ("kv_cache_memory_bytes" in overrides
+                                             or "block_size" in overrides):
+        # The pool's bytes stay (or are what was given); blocks follow from them.
+        pool = cache.kv_cache_memory_bytes or (trace.engine_args["num_kv_blocks"]
+                                               * trace.engine_args["block_size"]
+                                               * trace.header["kv_bytes_per_token"])
+        per_block = trace.header["kv_bytes_per_token"] * cache.block_size
+        cache = dataclasses.replace(cache, num_kv_blocks=int(pool // per_block))
+    # As the engine refuses at start-up: a pool that cannot hold one request of
+    # max_model_len could leave a request waiting forever.
+    needed = -(-sched.max_model_len // cache.block_size)
+    if cache.num_kv_blocks - cache.watermark_blocks < needed:
+        raise ValueError(f"{cache.num_kv_blocks} blocks of {cache.block_size} tokens cannot hold "
+                         f"one request of max_model_len={sched.max_model_len}")
+    return sched, cache
+
+
+@dataclass(slots=True)
+class RequestResult:
+    arrival: float
+    first_token: float | None = None
+    finish: float | None = None
+    first_scheduled: float | None = None
+    output_len: int = 0
+    num_preemptions: int = 0
+    prompt_len: int = 0
+    num_cached_tokens: int = 0
+    cancelled: bool = False
+
+
+@dataclass(slots=True)
+class Summary:
+    ttft: dict[str, float]
+    itl: dict[str, float]
+    e2e: dict[str, float]
+    queue: dict[str, float]
+    output_tokens_per_s: float
+    preemptions: int
+    prefix_hit_rate: float
+    requests: int
+    steps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _percentiles(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"p50": float("nan"), "p90": float("nan"), "p99": float("nan"), "mean": float("nan")}
+    a = np.array(values)
+    return {"p50": float(np.percentile(a, 50)), "p90": float(np.percentile(a, 90)),
+            "p99": float(np.percentile(a, 99)), "mean": float(a.mean())}
+
+
+def summarize(results: list[RequestResult], steps: int = 0) -> Summary:
+    done = [r for r in results if r.first_token is not None]
+    itl = [(r.finish - r.first_token) / (r.output_len - 1) for r in done
+           if r.output_len > 1 and r.finish is not None]
+    start = min(r.arrival for r in results)
+    end = max(r.finish for r in results if r.finish is not None)
+    prompt = sum(r.prompt_len for r in results)
+    return Summary(
+        ttft=_percentiles([r.first_token - r.arrival for r in done]),
+        itl=_percentiles(itl),
+        e2e=_percentiles([r.finish - r.arrival for r in done if r.finish is not None]),
+        queue=_percentiles([r.first_scheduled - r.arrival for r in results
+                            if r.first_scheduled is not None]),
+        output_tokens_per_s=sum(r.output_len for r in results) / max(end - start, 1e-9),
+        preemptions=sum(r.num_preemptions for r in results),
+        prefix_hit_rate=sum(r.num_cached_tokens for r in results) / max(prompt, 1),
+        requests=len(results), steps=steps)
+
+
+def measured(trace: Trace) -> Summary:
+    """What the recorded run itself saw."""
+    return summarize([RequestResult(
+        arrival=r["arrival"], first_token=r["first_token"], finish=r["finish"],
+        output_len=r["output_len"], num_preemptions=r["num_preemptions"],
+        prompt_len=r["prompt_len"], num_cached_tokens=r["num_cached_tokens"],
+        cancelled=r["cancel"] is not None) for r in trace.requests], len(trace.steps))
+
+
+def synthetic_prompts(trace: Trace) -> list[list[int]]:
+    """Token ids with the recorded sharing: a block id per distinct chained hash, unique
+    ids for each prompt's partial last block."""
+    block_size = trace.header["block_size"]
+    block_ids: dict[int, int] = {}
+    prompts = []
+    for index, record in enumerate(trace.requests):
+        tokens: list[int] = []
+        for block_hash in record["block_hashes"]:
+            number = block_ids.setdefault(block_hash, len(block_ids))
+            tokens.extend(number * block_size + j for j in range(block_size))
+        tail = record["prompt_len"] - len(tokens)
+        tokens.extend(-(index * block_size + j) - 1 for j in range(tail))  # never shared
+        prompts.append(tokens)
+    return prompts
+
+
+def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = None,
+           max_steps: int = 5_000_000) -> Summary:
+    sched_cfg, cache_cfg = configs(trace, overrides or {})
+    scheduler = Scheduler(sched_cfg, cache_cfg)
+    records = trace.requests
+    prompts = synthetic_prompts(trace)
+    results: dict[str, RequestResult] = {}
+    requests: dict[str, Request] = {}
+    arrivals = sorted(range(len(records)), key=lambda i: records[i]["arrival"])
+    cancels = sorted((r["cancel"], r["id"]) for r in records if r["cancel"] is not None)
+    clock, next_arrival, next_cancel, steps = 0.0, 0, 0, 0
+    while next_arrival < len(arrivals) or scheduler.has_unfinished_requests():
+        while next_arrival < len(arrivals) and records[arrivals[next_arrival]]["arrival"] <= clock:
+            record = records[arrivals[next_arrival]]
+            cancelled = record["cancel"] is not None
+            limit = record["max_tokens"] if cancelled else max(1, record["output_len"])
+            request = Request(record["id"], prompts[arrivals[next_arrival]], SamplingParams(
+                max_tokens=min(limit, sched_cfg.max_model_len - record["prompt_len"]),
+                ignore_eos=True), priority=record["priority"], arrival_time=record["arrival"])
+            if record["prompt_len"] < sched_cfg.max_model_len:
+                scheduler.add_request(request)
+                requests[record["id"]] = request
+            results[record["id"]] = RequestResult(record["arrival"], prompt_len=record["prompt_len"])
+            next_arrival += 1
+        while next_cancel < len(cancels) and cancels[next_cancel][0] <= clock:
+            for request in scheduler.finish_requests(cancels[next_cancel][1]):
+                results[request.request_id].cancelled = True
+            next_cancel += 1
+        if not scheduler.has_unfinished_requests():
+            if next_arrival < len(arrivals):
+                clock = max(clock, records[arrivals[next_arrival]]["arrival"])
+            continue
+        out = scheduler.schedule()
+        steps += 1
+        if steps > max_steps:
+            raise RuntimeError(f"replay made no progress in {max_steps} steps")
+        for request in out.scheduled_requests:
+            result = results[request.request_id]
+            if result.first_scheduled is None:
+                result.first_scheduled = clock
+        if not out.scheduled_requests:  # nothing fits until something is cancelled
+            clock = cancels[next_cancel][0] if next_cancel < len(cancels) else clock + 1e-3
+            continue
+        clock += model.predict(step_features(out))
+        sampled = {r.request_id: [0] for r in out.scheduled_requests
+                   if r.num_computed_tokens >= r.num_tokens}
+        for request in scheduler.update_from_output(out, sampled):
+            result = results[request.request_id]
+            if result.first_token is None:
+                result.first_token = clock
+            result.output_len = request.num_output_tokens
+            if request.is_finished:
+                result.finish = clock
+    for rid, request in requests.items():
+        result = results[rid]
+        result.num_preemptions = request.num_preemptions
+        result.num_cached_tokens = max(request.num_cached_tokens, 0)
+    summary = summarize(list(results.values()), steps)
+    summary.extra["sim_seconds"] = clock
+    return summary
+
+
+def comparison_table(actual: Summary, predicted: Summary) -> str:
+    rows = [("TTFT p50 s", actual.ttft["p50"], predicted.ttft["p50"]),
+            ("TTFT p90 s", actual.ttft["p90"], predicted.ttft["p90"]),
+            ("ITL p50 s", actual.itl["p50"], predicted.itl["p50"]),
+            ("ITL p90 s", actual.itl["p90"], predicted.itl["p90"]),
+            ("e2e p50 s", actual.e2e["p50"], predicted.e2e["p50"]),
+            ("output tok/s", actual.output_tokens_per_s, predicted.output_tokens_per_s),
+            ("preemptions", actual.preemptions, predicted.preemptions),
+            ("prefix hit rate", actual.prefix_hit_rate, predicted.prefix_hit_rate)]
+    lines = [f"{'':18s}{'measured':>12s}{'replay':>12s}{'error':>9s}"]
+    for name, a, p in rows:
+        error = f"{p / a - 1:+.1%}" if a else "-"
+        lines.append(f"{name:18s}{a:12.4g}{p:12.4g}{error:>9s}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("trace")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="an engine argument to replay under (repeatable)")
+    parser.add_argument("--model", help="a step model (JSON, tuning.step_model --out); "
+                        "default: fitted on the trace")
+    parser.add_argument("--compare", action="store_true",
+                        help="print the trace's measured figures beside the replay's")
+    args = parser.parse_args(argv)
+    trace = read_trace(args.trace)
+    if args.model:
+        with open(args.model, encoding="utf-8") as f:
+            model = StepModel.from_json(f.read())
+    else:
+        model, error = held_out_error(step_durations(trace))
+        print(f"step model fitted on {len(trace.steps)} steps; held-out error "
+              f"{error['mape']:.1%} (mean), total time {error['total_time_error']:+.1%}")
+    overrides = dict(item.split("=", 1) for item in args.set)
+    predicted = replay(trace, model, overrides)
+    if args.compare:
+        print(comparison_table(measured(trace), predicted))
+    else:
+        print(f"{predicted.requests} requests, {predicted.steps} steps: TTFT p50/p90/p99 "
+              f"{predicted.ttft['p50']:.3f}/{predicted.ttft['p90']:.3f}/{predicted.ttft['p99']:.3f} s, "
+              f"ITL p50/p99 {predicted.itl['p50'] * 1e3:.1f}/{predicted.itl['p99'] * 1e3:.1f} ms, "
+              f"{predicted.output_tokens_per_s:.1f} output tok/s, {predicted.preemptions} "
+              f"preemptions, prefix hits {predicted.prefix_hit_rate:.1%}")
+
+
+if __name__ == "__main__":
+    main()
