@@ -173,3 +173,11 @@ def test_tuner_finds_a_setting_that_meets_the_target(tmp_path):
     png = tmp_path / "frontier.png"
     plot(evaluations, chosen, slo, str(png))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_tuning_package_needs_no_torch():
+    import subprocess
+    import sys
+    code = ("import sys, tuning.replay, tuning.tune, tuning.step_model; "
+            "assert not {'torch', 'triton', 'kernels'} & set(sys.modules), sys.modules.keys()")
+    subprocess.run([sys.executable, "-c", code], check=True)
