@@ -155,6 +155,14 @@ def test_replay_of_a_recorded_trace_matches_its_work(tiny, tmp_path):
     assert predicted.requests == actual.requests
     assert predicted.prefix_hit_rate == pytest.approx(actual.prefix_hit_rate)
     assert predicted.preemptions == actual.preemptions == 0
+    # the command line writes every request's replayed times
+    from tuning.replay import main
+    out = tmp_path / "replay.json"
+    main([str(path), "--out", str(out)])
+    written = json.loads(out.read_text())
+    assert written["summary"]["requests"] == 5 and len(written["requests"]) == 5
+    first = written["requests"]["r0"]
+    assert first["arrival"] <= first["first_token"] <= first["finish"]
 
 
 def test_tuner_finds_a_setting_that_meets_the_target(tmp_path):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -199,6 +200,7 @@ def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = No
         result.num_cached_tokens = max(request.num_cached_tokens, 0)
     summary = summarize(list(results.values()), steps)
     summary.extra["sim_seconds"] = clock
+    summary.extra["per_request"] = results
     return summary
 
 
@@ -227,6 +229,9 @@ def main(argv: list[str] | None = None) -> None:
                         "default: fitted on the trace")
     parser.add_argument("--compare", action="store_true",
                         help="print the trace's measured figures beside the replay's")
+    parser.add_argument("--out", help="write the summary and every request's replayed "
+                        "times (arrival, first scheduled, first token, finish), output "
+                        "length, preemptions and cached tokens here (JSON)")
     args = parser.parse_args(argv)
     trace = read_trace(args.trace)
     if args.model:
@@ -238,6 +243,12 @@ def main(argv: list[str] | None = None) -> None:
               f"{error['mape']:.1%} (mean), total time {error['total_time_error']:+.1%}")
     overrides = dict(item.split("=", 1) for item in args.set)
     predicted = replay(trace, model, overrides)
+    if args.out:
+        per_request = predicted.extra.pop("per_request")
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"summary": dataclasses.asdict(predicted),
+                       "requests": {rid: dataclasses.asdict(r) for rid, r in per_request.items()}},
+                      f, indent=1)
     if args.compare:
         print(comparison_table(measured(trace), predicted))
     else:
