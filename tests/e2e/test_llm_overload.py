@@ -26,7 +26,10 @@ pytestmark = pytest.mark.slow
 
 MAX_QUEUE_LEN, MAX_NUM_SEQS = 4, 2
 FORCED_TOKENS = 100  # ~0.5 s per pair of sequences here: nothing finishes during a burst
-DIE_AT_STEP = 5
+# Late enough that all three in-flight requests have reached the engine first: a lone
+# request's decode steps take ~1 ms on the tiny model (one native call a step), and at 5
+# the loop sometimes died (and the model unloaded) before the third request arrived.
+DIE_AT_STEP = 30
 MODELS = {
     "llm_small_queue": {"MAX_QUEUE_LEN": str(MAX_QUEUE_LEN), "max_num_seqs": str(MAX_NUM_SEQS)},
     "llm_loop_dies": {"INJECT_LOOP_FAILURE_AT_STEP": str(DIE_AT_STEP)},
