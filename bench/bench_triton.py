@@ -137,8 +137,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="rounds per side; the best is reported")
     ap.add_argument("--stream-interval", type=int, default=1)
     ap.add_argument("--quantization", choices=["gguf"], default=None)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="an engine argument for both sides (repeatable), e.g. num_threads=2")
     args = ap.parse_args()
     engine_args = {"quantization": args.quantization} if args.quantization else {}
+    engine_args.update(item.split("=", 1) for item in args.set)
     params = dict(engine_args)
     if args.stream_interval != 1:
         params["stream_interval"] = str(args.stream_interval)
