@@ -21,7 +21,7 @@ def one_at_a_time(llm: LLM, single_decode: bool, max_tokens: int = 12):
     Each side gets its own engine: prefix hits from the other's run would change the
     prefill's matmul shapes, and so its rounding."""
     model = llm.llm_engine.runner.model.model
-    model.single_decode = single_decode
+    model.fused_single_decode = single_decode
     results = []
     for i, prompt in enumerate(PROMPTS):
         params = SamplingParams(temperature=0.0 if i % 2 == 0 else 0.8, seed=i,

@@ -102,7 +102,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # One sequence decoding runs all layers in one native call where it applies
         # (engine/models/single_decode.py); False keeps the layer-by-layer path.
-        self.single_decode = True
+        self.fused_single_decode = True
         self._single_plan: tuple[int, object] | None = None  # (KV cache address, plan or None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -113,7 +113,7 @@ class LlamaModel(nn.Module):
             x = dispatch.gguf_embedding(input_ids, self.embed_quantized, self.norm.weight.dtype)
         else:
             x = F.embedding(input_ids, self.embed_tokens.weight)
-        if self.single_decode and meta.max_query_len == 1 and input_ids.shape[0] == 1:
+        if self.fused_single_decode and meta.max_query_len == 1 and input_ids.shape[0] == 1:
             plan = self._plan_for(kv_caches)
             if plan is not None:
                 hidden = single_decode.run(plan, x, positions, meta)
