@@ -22,6 +22,8 @@ import os
 import sys
 import time
 
+from peer_workload import read_workload  # bench/, the script's folder
+
 
 def greedy(llm, prompt, n, clock=None):
     """Generate exactly n tokens greedily from a fresh context (every call prefills);
@@ -48,11 +50,7 @@ def main():
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
     args = ap.parse_args()
 
-    with open(args.workload) as f:
-        wl = json.load(f)
-    prompts = [list(map(int, p)) for p in wl["prompts"]]
-    max_tokens = [int(n) for n in wl["max_tokens"]]
-    assert len(prompts) == len(max_tokens), "prompts/max_tokens length mismatch"
+    prompts, max_tokens = read_workload(args.workload)
 
     path, convert_s = args.gguf, 0.0
     if args.convert:

@@ -16,6 +16,8 @@ import os
 import sys
 import time
 
+from peer_workload import read_workload  # bench/, the script's folder
+
 # Same values as the documented command line; explicit env vars win.
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
 os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
@@ -37,11 +39,7 @@ def main():
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
     args = ap.parse_args()
 
-    with open(args.workload) as f:
-        wl = json.load(f)
-    prompts = [list(map(int, p)) for p in wl["prompts"]]
-    max_tokens = [int(n) for n in wl["max_tokens"]]
-    assert len(prompts) == len(max_tokens), "prompts/max_tokens length mismatch"
+    prompts, max_tokens = read_workload(args.workload)
 
     t_import = time.perf_counter()
     import vllm
