@@ -60,9 +60,9 @@ def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = N
         attr = _BACKEND_KEYS[key]
         name = f"parameter {key!r}"
         option = convert(name, value, _OPTION_KINDS[attr])
-        if not isinstance(option, bool) and option < (1 if attr == "stream_interval" else 0):
-            raise ValueError(f"{name} must be >= {1 if attr == 'stream_interval' else 0}, "
-                             f"got {value!r}")
+        least = 1 if attr == "stream_interval" else 0
+        if not isinstance(option, bool) and option < least:
+            raise ValueError(f"{name} must be >= {least}, got {value!r}")
         setattr(options, attr, option)
     if model_json is None:
         model_json = ModelJson()

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 import torch
 
-from kernels import cpu_linear, cpu_native
+from kernels import cpu_native
 from kernels.gguf_weight import FORMATS, GgufWeight
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -42,7 +42,7 @@ class _Model(ctypes.Structure):
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     lib = cpu_native.load_library()
-    if lib is None or not cpu_linear.available():  # cpu_linear sets the matmuls' signatures
+    if lib is None:
         return None
     lib.decode_step_scratch_floats.restype = _I64
     lib.decode_step_scratch_floats.argtypes = [ctypes.POINTER(_Model)]
