@@ -116,6 +116,17 @@ class EngineLoop:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - whatever ends the loop must not end it silently
             self._die(exc)
+        finally:
+            self._close_engine()
+
+    def _close_engine(self) -> None:
+        # Frees what a reload of the model needs again, e.g. the KV-event ports.
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - the loop is over either way
+                triton_io.log_error("closing the engine failed: " + traceback.format_exc())
 
     def _serve(self) -> None:
         while True:

@@ -28,6 +28,8 @@ RENAMED = {
     "quantization": "quantization",  # None or "gguf" (EngineConfig checks)
     "gpu_memory_utilization": "gpu_memory_utilization",  # the engine sizes the pool from it
     "enforce_eager": "enforce_eager",  # no CUDA graphs on a GPU
+    "prefix_caching_hash_algo": "prefix_caching_hash_algo",  # sha256, sha256_cbor; no xxhash
+    "kv_events_config": "kv_events_config",  # vLLM's KVEventsConfig fields
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -50,7 +52,7 @@ NO_EFFECT = frozenset({
     "enable_flashinfer_autotune", "async_scheduling", "use_v2_block_manager", "swap_space",
     "preemption_mode", "num_scheduler_steps", "multi_step_stream_outputs",
     "scheduler_delay_factor", "enable_chunked_prefill", "disable_chunked_mm_input", "kv_sharing_fast_prefill",
-    "disable_sliding_window", "disable_cascade_attn", "prefix_caching_hash_algo",
+    "disable_sliding_window", "disable_cascade_attn",
     "max_parallel_loading_workers", "download_dir", "hf_token", "trust_remote_code",
     "use_tqdm_on_load", "safetensors_load_strategy", "pt_load_map_location",
     "model_loader_extra_config", "ignore_patterns", "served_model_name",
@@ -82,7 +84,6 @@ UNSUPPORTED = {
     "enable_prompt_embeds": (False,),
     "speculative_config": (None,),
     "kv_transfer_config": (None,),
-    "kv_events_config": (None,),
     "revision": (None,),
     "code_revision": (None,),
     "tokenizer_revision": (None,),

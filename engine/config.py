@@ -5,6 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from engine.kv_cache.hashing import HASH_ALGOS
+from engine.kv_events import KVEventsConfig
 from engine.values import convert
 
 POLICIES = ("fcfs", "priority")
@@ -69,6 +71,10 @@ class CacheConfig:
     # activations, KV pool). None: 0.9. Ignored on a CPU, as vLLM's CPU backend does.
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
+    # vLLM's name. "builtin" (Python's hash(), the fast default) or, for block hashes an
+    # outside indexer can recompute from tokens, "sha256" / "sha256_cbor"
+    # (engine/kv_cache/hashing.py).
+    prefix_caching_hash_algo: str = "builtin"
     # Fraction of all blocks kept free when admitting new or resumed requests.
     watermark: float = 0.0
 
@@ -84,6 +90,9 @@ class CacheConfig:
                              f"got {self.gpu_memory_utilization}")
         if not 0.0 <= self.watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
+                             f"got {self.prefix_caching_hash_algo!r}")
 
     @property
     def explicit_pool(self) -> bool:
@@ -122,6 +131,8 @@ class EngineConfig:
     # None: off. Past trace_max_bytes the file moves to <path>.1 and a new one begins.
     trace_path: str | None = None
     trace_max_bytes: int = 64 * 1024**2
+    # vLLM's KV-cache events (engine/kv_events.py) for prefix-aware routers; None: off.
+    kv_events_config: KVEventsConfig | None = None
     # Test-only: the model runner raises at this (1-based) engine step, once.
     inject_failure_at_step: int = 0
 
@@ -165,7 +176,10 @@ class EngineConfig:
             if key not in owner:
                 raise ValueError(f"unknown engine argument {key!r}")
             section, f = owner[key]
-            value = convert(f"engine argument {key!r}", raw, str(f.type))
+            if key == "kv_events_config":
+                value = KVEventsConfig.from_value(f"engine argument {key!r}", raw)
+            else:
+                value = convert(f"engine argument {key!r}", raw, str(f.type))
             (nested[section] if section else top)[key] = value
         try:
             return cls(scheduler=SchedulerConfig(**nested["scheduler"]),

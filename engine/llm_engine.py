@@ -11,6 +11,7 @@ from typing import Iterable
 from engine.config import CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
 from engine.cpu_threads import configure_threads
 from engine.detokenizer import IncrementalDetokenizer
+from engine.kv_events import make_publisher
 from engine.model_runner import ModelRunner
 from engine.models import load_model
 from engine.parallel_sampling import ParallelSampling, fan_out
@@ -70,7 +71,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
                                   seed=self.config.seed,
                                   inject_failure_at_step=self.config.inject_failure_at_step)
-        self.scheduler = Scheduler(sched_cfg, cache_cfg)
+        kv_events_on = self.config.kv_events_config is not None and self.config.kv_events_config.active
+        self.scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events_on)
         warm_start = time.perf_counter()
         self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                             sched_cfg.max_model_len)
@@ -88,6 +90,8 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._parallel = ParallelSampling()
         self.trace = self._open_trace(self.config, loaded)
+        # Last: binding its sockets is what fails when another process holds the port.
+        self.kv_events = make_publisher(self.config.kv_events_config)
         self.prompt_tokens_total = 0
         logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
                     "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
@@ -218,6 +222,7 @@ class LLMEngine:
         if self.trace is not None:
             for request in aborted:
                 self.trace.finished(request, cancelled=True)
+        self._publish_kv_events()
         return self._parallel.merge([self._output(self._tracked.pop(r.request_id))
                                      for r in aborted if r.request_id in self._tracked])
 
@@ -234,6 +239,12 @@ class LLMEngine:
         aborted: those whose sampling failed on their own (the rest of the batch resamples
         next step), or, when the model failed, every request of the step. The engine is
         then ready for the next step."""
+        try:
+            return self._step()
+        finally:
+            self._publish_kv_events()
+
+    def _step(self) -> list[RequestOutput]:
         trace = self.trace
         if trace is not None:
             step_start = trace.now()
@@ -340,3 +351,17 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()
+        self._publish_kv_events()
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV-event sockets (their ports) and the trace."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
+        if self.trace is not None:
+            self.trace.close()
+            self.trace = None

@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache import KVCacheManager
+from engine.kv_cache import BlockHasher, KVCacheManager
 from engine.partial_prefills import LOOKAHEAD, PartialPrefills
 from engine.request import Request, RequestStatus
 from engine.request_queue import make_request_queue
@@ -39,15 +39,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 enable_kv_events: bool = False) -> None:
         if cache_config.num_kv_blocks is None:
             raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
             raise ValueError("scheduler_config.max_model_len must be set before building a Scheduler")
         self.config = scheduler_config
         self.cache_config = cache_config
-        self.kv_cache_manager = KVCacheManager(cache_config.num_kv_blocks, cache_config.block_size,
-                                               cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            hasher=BlockHasher(cache_config.prefix_caching_hash_algo),
+            enable_events=enable_kv_events)
         self.watermark_blocks = cache_config.watermark_blocks
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)

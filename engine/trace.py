@@ -21,24 +21,21 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.kv_cache import hash_block
+from engine.kv_cache import BlockHasher, external_hash, update_block_hashes
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
 TRACE_VERSION = 1
+_FALLBACK_HASHER = BlockHasher()
 
 
 def prompt_block_hashes(request: Request, block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks (what prefix caching keys on)."""
+    """Chained hashes of the prompt's full blocks (what prefix caching keys on), as the
+    64-bit integers KV events carry, so any hash algorithm writes JSON numbers."""
     count = request.num_prompt_tokens // block_size
-    if len(request.block_hashes) >= count:
-        return request.block_hashes[:count]
-    hashes, parent, tokens = [], None, request.prompt_token_ids
-    for i in range(count):
-        parent = hash_block(parent, tuple(tokens[i * block_size:(i + 1) * block_size]),
-                            request.cache_salt if i == 0 else None)
-        hashes.append(parent)
-    return hashes
+    if len(request.block_hashes) < count:  # prefix caching off: nothing hashed them
+        update_block_hashes(request, block_size, _FALLBACK_HASHER)
+    return [external_hash(h) if isinstance(h, bytes) else h for h in request.block_hashes[:count]]
 
 
 def step_features(out: SchedulerOutput) -> dict[str, int]:

@@ -4,7 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.kv_cache.hashing import update_block_hashes
+from engine.kv_cache.events import BlockStored, KVCacheEvent
+from engine.kv_cache.hashing import BlockHasher, update_block_hashes
 from engine.request import Request
 
 
@@ -15,10 +16,12 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 hasher: BlockHasher | None = None, enable_events: bool = False) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.hasher = hasher or BlockHasher()
+        self.block_pool = BlockPool(num_blocks, enable_caching, enable_events and enable_caching)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         # Block ids mirrored as ints so the model runner reads them without touching KVBlock.
         self.req_to_block_ids: dict[str, list[int]] = {}
@@ -38,7 +41,7 @@ class KVCacheManager:
         compute, because its logits are needed to sample."""
         if not self.enable_caching:
             return [], 0
-        update_block_hashes(request, self.block_size)
+        update_block_hashes(request, self.block_size, self.hasher)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -97,11 +100,35 @@ class KVCacheManager:
         start = self.num_cached_blocks[request.request_id]
         if num_full <= start:
             return
-        update_block_hashes(request, self.block_size)
+        update_block_hashes(request, self.block_size, self.hasher)
         hashes = request.block_hashes
-        for i in range(start, num_full):
-            self.block_pool.cache_block(blocks[i], hashes[i])
+        pool = self.block_pool
+        if pool.events is None:
+            for i in range(start, num_full):
+                pool.cache_block(blocks[i], hashes[i])
+        else:
+            self._cache_and_announce(request, blocks, hashes, start, num_full)
         self.num_cached_blocks[request.request_id] = num_full
+
+    def _cache_and_announce(self, request: Request, blocks: list[KVBlock], hashes: list,
+                            start: int, stop: int) -> None:
+        """One BlockStored per run of hashes new to the cache; a duplicate breaks the
+        run, and the next run names it as parent (it is cached, by its first copy)."""
+        pool, bs, tokens = self.block_pool, self.block_size, request.all_token_ids
+        run_start = None
+        for i in range(start, stop + 1):
+            stored = i < stop and pool.cache_block(blocks[i], hashes[i])
+            if stored and run_start is None:
+                run_start = i
+            elif not stored and run_start is not None:
+                pool.events.append(BlockStored(
+                    block_hashes=hashes[run_start:i],
+                    parent_block_hash=hashes[run_start - 1] if run_start else None,
+                    token_ids=list(tokens[run_start * bs:i * bs]), block_size=bs))
+                run_start = None
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self.block_pool.take_events()
 
     def free(self, request: Request, num_valid_tokens: int | None = None) -> None:
         """Release the request's blocks. `num_valid_tokens`: how many of its tokens

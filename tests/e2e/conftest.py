@@ -3,6 +3,7 @@ whose engine models run a tiny random-weight Llama (plus a faulty and a default
 SmolLM2 copy of `llm`). Logs go to test-logs/ when a test fails."""
 from __future__ import annotations
 
+import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -11,13 +12,16 @@ from pathlib import Path
 import pytest
 
 from backend.repository_layout import copy_repository
-from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
+from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer, free_port
 from tests.e2e.shared import DEFAULT_MODEL_ARGS, FAILURE_STEP, FAULTY_MAX_NUM_SEQS, TINY_ENGINE_ARGS
 
 @dataclass
 class Server:
     handle: TritonServer
     model_dir: Path
+    # `llm` publishes KV-cache events (sha256_cbor keys) on these TCP ports.
+    kv_events_port: int = 0
+    kv_replay_port: int = 0
 
     @property
     def grpc(self) -> str:
@@ -50,11 +54,15 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def server(request, tmp_path_factory, tiny_model_dir) -> Server:
     work = tmp_path_factory.mktemp("triton")
     tiny = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS}
+    kv_events_port, kv_replay_port = free_port(), free_port()
+    kv_events = {"prefix_caching_hash_algo": "sha256_cbor", "kv_events_config": json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_events_port}",
+         "replay_endpoint": f"tcp://*:{kv_replay_port}", "topic": "kv@llm"})}
     repo = copy_repository(
         REPO_ROOT / "model_repository", work / "models",
         models=["llm", "tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
         renames={"llm_faulty": "llm", "llm_default": "llm", "llm_priority": "llm"},
-        params={"llm": tiny, "tensorrt_llm": tiny,
+        params={"llm": {**tiny, **kv_events}, "tensorrt_llm": tiny,
                 "llm_faulty": {**tiny, "inject_failure_at_step": str(FAILURE_STEP),
                                "max_num_seqs": str(FAULTY_MAX_NUM_SEQS)},
                 "llm_default": {"model": "", **DEFAULT_MODEL_ARGS},
@@ -70,7 +78,7 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
     try:
         handle.wait_ready(timeout=420)
         ready = True
-        yield Server(handle, tiny_model_dir)
+        yield Server(handle, tiny_model_dir, kv_events_port, kv_replay_port)
     finally:
         handle.stop()
         if getattr(request.session, "e2e_failed", False) or not ready:
