@@ -92,6 +92,9 @@ class LLMEngine:
         self.trace = self._open_trace(self.config, loaded)
         # Last: binding its sockets is what fails when another process holds the port.
         self.kv_events = make_publisher(self.config.kv_events_config)
+        if self.kv_events is not None and cache_cfg.prefix_caching_hash_algo == "builtin":
+            logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
+                           "indexer cannot recompute these keys from tokens; use sha256_cbor")
         self.prompt_tokens_total = 0
         logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
                     "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
