@@ -13,6 +13,7 @@ from typing import Any
 from backend import triton_io
 from backend.config_params import split_parameters
 from backend.engine_loop import EngineLoop
+from backend.instance import place_instance
 from backend.inflight import Inflight
 from backend.metrics import NullMetrics, TritonMetrics
 from backend.model_json import read_model_json
@@ -34,11 +35,13 @@ class EngineModel:
         engine_config, self.options = split_parameters(
             triton_io.model_parameters(config), model_json,
             log=lambda line: triton_io.log_info(f"{self.model_name}: {line}"))
+        engine_config = place_instance(engine_config, args)
         self.input_names = triton_io.input_names(config)
         from engine import LLMEngine  # heavy (torch); after the cheap checks
 
         started = time.monotonic()
-        metrics = (TritonMetrics(self.model_name, args["model_version"])
+        metrics = (TritonMetrics(self.model_name, args["model_version"],
+                                 args.get("model_instance_name", ""))
                    if self.options.report_custom_metrics else NullMetrics())
         self._worker = ResponseWorker(metrics)
         try:

@@ -76,11 +76,14 @@ class NullMetrics:
 
 
 class TritonMetrics:
-    def __init__(self, model_name: str, model_version: str) -> None:
+    def __init__(self, model_name: str, model_version: str, instance_name: str = "") -> None:
         import triton_python_backend_utils as pb_utils
 
         self._kinds = kinds = pb_utils.MetricFamily
-        self._labels = {"model": model_name, "version": str(model_version)}
+        # vllm_backend's labels, plus the instance: with instance_group count > 1 each
+        # instance's engine reports its own series (sum by model for the whole model).
+        self._labels = {"model": model_name, "version": str(model_version),
+                        "instance": instance_name}
         # Triton invalidates a Metric once its MetricFamily is garbage collected, so the
         # families live as long as this object.
         self._families: list = []

@@ -24,12 +24,29 @@ def set_parameters(config_text: str, params: Mapping[str, str]) -> str:
     return config_text
 
 
+_INSTANCE_GROUP = re.compile(r"^instance_group\s*\[.*\]\s*$", re.MULTILINE)
+INSTANCE_KINDS = ("KIND_MODEL", "KIND_CPU", "KIND_GPU")
+
+
+def set_instance_group(config_text: str, count: int, kind: str) -> str:
+    """One instance group of `count` instances: each its own engine (backend/instance.py)."""
+    if count < 1 or kind not in INSTANCE_KINDS:
+        raise ValueError(f"instance group needs count >= 1 and a kind in {INSTANCE_KINDS}, "
+                         f"got {count} {kind}")
+    line = f"instance_group [ {{ count: {count} kind: {kind} }} ]"
+    if _INSTANCE_GROUP.search(config_text):
+        return _INSTANCE_GROUP.sub(lambda _: line, config_text)
+    return config_text.rstrip("\n") + "\n" + line + "\n"
+
+
 def copy_repository(source: Path, target: Path, models: list[str] | None = None,
                     params: Mapping[str, Mapping[str, str]] | None = None,
-                    renames: Mapping[str, str] | None = None) -> Path:
+                    renames: Mapping[str, str] | None = None,
+                    instances: Mapping[str, tuple[int, str]] | None = None) -> Path:
     """Copies `models` (default: all) from source to target. params: {model: {key: value}}
     applied to the copy named model; renames: {new_name: source_model} adds copies
-    under another name (e.g. a second `llm` with different engine arguments)."""
+    under another name (e.g. a second `llm` with different engine arguments); instances:
+    {model: (count, kind)} replaces the copy's instance_group."""
     target.mkdir(parents=True, exist_ok=True)
     names = models if models is not None else sorted(p.name for p in source.iterdir()
                                                     if (p / "config.pbtxt").is_file())
@@ -39,7 +56,13 @@ def copy_repository(source: Path, target: Path, models: list[str] | None = None,
         dest = target / new_name
         shutil.copytree(source / src_name, dest, ignore=shutil.ignore_patterns("__pycache__"))
         overrides = (params or {}).get(new_name)
-        if overrides:
+        group = (instances or {}).get(new_name)
+        if overrides or group:
             cfg = dest / "config.pbtxt"
-            cfg.write_text(set_parameters(cfg.read_text(), overrides))
+            text = cfg.read_text()
+            if overrides:
+                text = set_parameters(text, overrides)
+            if group:
+                text = set_instance_group(text, *group)
+            cfg.write_text(text)
     return target

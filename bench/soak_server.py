@@ -108,11 +108,12 @@ class SoakServer:
             return response.read().decode()
 
     def _value(self, text: str, name: str, model: str) -> float:
-        pattern = re.escape(name) + r'\{model="' + re.escape(model) + r'",version="1"\} (\S+)$'
-        found = re.search(pattern, text, re.MULTILINE)
-        if found is None:
+        # One series per model instance (its `instance` label); the model's is their sum.
+        pattern = re.escape(name) + r'\{[^}]*\bmodel="' + re.escape(model) + r'"[^}]*\} (\S+)$'
+        found = re.findall(pattern, text, re.MULTILINE)
+        if not found:
             raise RuntimeError(f"{name} for {model} not exported")
-        return float(found.group(1))
+        return sum(float(value) for value in found)
 
     def gauges(self, model: str) -> Gauges:
         text = self._metrics_text()

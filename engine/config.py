@@ -133,6 +133,10 @@ class EngineConfig:
     trace_max_bytes: int = 64 * 1024**2
     # vLLM's KV-cache events (engine/kv_events.py) for prefix-aware routers; None: off.
     kv_events_config: KVEventsConfig | None = None
+    # Which of several engines serving one model this is (a Triton instance's index when
+    # instance_group count > 1), as vLLM's data-parallel rank: it tags KV-event batches and
+    # offsets their ports. Set by the backend, not by users.
+    data_parallel_rank: int = 0
     # Test-only: the model runner raises at this (1-based) engine step, once.
     inject_failure_at_step: int = 0
 
@@ -147,6 +151,8 @@ class EngineConfig:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
         if not isinstance(self.trace_max_bytes, int) or self.trace_max_bytes < 1024:
             raise ValueError(f"trace_max_bytes must be an integer >= 1024, got {self.trace_max_bytes!r}")
+        if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
+            raise ValueError(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"num_threads must be an integer >= 0, got {self.num_threads!r}")
 

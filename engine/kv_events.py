@@ -13,6 +13,7 @@ Wire format (vLLM 0.32, vllm/distributed/kv_events.py; the peer bench/vllm_peer.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import queue
@@ -55,6 +56,15 @@ class KVEventsConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"kv_events_config.{name} must be positive, got {getattr(self, name)}")
 
+    def for_rank(self, rank: int) -> "KVEventsConfig":
+        """vLLM's rule for data-parallel engines, which Triton instances of one model are:
+        rank N publishes on the configured TCP ports + N (ipc/inproc: a `_dpN` suffix)."""
+        if rank == 0:
+            return self
+        return dataclasses.replace(self, endpoint=_offset_endpoint(self.endpoint, rank),
+                                   replay_endpoint=(_offset_endpoint(self.replay_endpoint, rank)
+                                                    if self.replay_endpoint else None))
+
     @property
     def active(self) -> bool:
         return self.enable_kv_cache_events and self.publisher != "null"
@@ -87,6 +97,15 @@ class KVEventsConfig:
             else:
                 typed[key] = None if raw is None else to_str(where, raw)
         return cls(**typed)
+
+
+def _offset_endpoint(endpoint: str, rank: int) -> str:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + rank}"
+    raise ValueError(f"kv_events_config: cannot give rank {rank} its own endpoint from {endpoint!r}")
 
 
 def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
@@ -220,7 +239,7 @@ class ZmqEventPublisher:
         self._thread.join(timeout)
 
 
-def make_publisher(config: KVEventsConfig | None) -> ZmqEventPublisher | None:
+def make_publisher(config: KVEventsConfig | None, rank: int = 0) -> ZmqEventPublisher | None:
     if config is None or not config.active:
         return None
-    return ZmqEventPublisher(config)
+    return ZmqEventPublisher(config.for_rank(rank), data_parallel_rank=rank)

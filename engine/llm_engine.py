@@ -91,7 +91,8 @@ class LLMEngine:
         self._parallel = ParallelSampling()
         self.trace = self._open_trace(self.config, loaded)
         # Last: binding its sockets is what fails when another process holds the port.
-        self.kv_events = make_publisher(self.config.kv_events_config)
+        self.kv_events = make_publisher(self.config.kv_events_config,
+                                        self.config.data_parallel_rank)
         if self.kv_events is not None and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
                            "indexer cannot recompute these keys from tokens; use sha256_cbor")

@@ -59,6 +59,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="engine parameter for the engine models, e.g. max_num_seqs=32")
+    p.add_argument("--instances", type=int, default=0, metavar="N",
+                   help="N instances (KIND_CPU, or KIND_GPU one device each with --instance-kind) "
+                        "of each engine model, each its own engine; Triton spreads requests over them")
+    p.add_argument("--instance-kind", default="KIND_CPU", choices=("KIND_CPU", "KIND_GPU"))
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="load only these models (default: all)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
@@ -70,15 +74,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def repository_for(args: argparse.Namespace, target: Path = OVERRIDES_DIR) -> Path:
     """The repository as given, or a copy at `target` with the requested overrides."""
-    if not args.model and not args.param:
+    if not args.model and not args.param and not args.instances:
         return args.model_repository
     engine_params = dict(args.param)
     if args.model:
         # Absolute: tritonserver runs in .triton/server, not the caller's directory.
         engine_params["model"] = str(Path(args.model).resolve())
     shutil.rmtree(target, ignore_errors=True)
+    instances = ({name: (args.instances, args.instance_kind) for name in ENGINE_MODELS}
+                 if args.instances else None)
     return copy_repository(args.model_repository, target,
-                           params={name: engine_params for name in ENGINE_MODELS})
+                           params={name: engine_params for name in ENGINE_MODELS},
+                           instances=instances)
 
 
 def check_libpython() -> None:

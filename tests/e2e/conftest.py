@@ -19,9 +19,11 @@ from tests.e2e.shared import DEFAULT_MODEL_ARGS, FAILURE_STEP, FAULTY_MAX_NUM_SE
 class Server:
     handle: TritonServer
     model_dir: Path
-    # `llm` publishes KV-cache events (sha256_cbor keys) on these TCP ports.
+    # `llm` publishes KV-cache events (sha256_cbor keys) on these TCP ports; the two
+    # instances of `llm_replicas` on REPLICA_KV_PORTS[rank] (+ rank, as vLLM's DP ranks).
     kv_events_port: int = 0
     kv_replay_port: int = 0
+    replica_kv_ports: tuple[int, int] = (0, 0)
 
     @property
     def grpc(self) -> str:
@@ -34,6 +36,20 @@ class Server:
     @property
     def metrics(self) -> str:
         return self.handle.metrics_url
+
+
+def free_port_pair() -> int:
+    """A free port whose successor is free too."""
+    import socket
+
+    while True:
+        port = free_port()
+        with socket.socket() as probe:
+            try:
+                probe.bind(("0.0.0.0", port + 1))
+            except OSError:
+                continue
+        return port
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -58,11 +74,21 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
     kv_events = {"prefix_caching_hash_algo": "sha256_cbor", "kv_events_config": json.dumps(
         {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_events_port}",
          "replay_endpoint": f"tcp://*:{kv_replay_port}", "topic": "kv@llm"})}
+    # Rank r adds r to both ports, so each needs its successor free too.
+    replica_kv_ports = (free_port_pair(), free_port_pair())
+    while replica_kv_ports[1] - replica_kv_ports[0] in (-1, 0, 1):
+        replica_kv_ports = (replica_kv_ports[0], free_port_pair())
+    replica_events = {"prefix_caching_hash_algo": "sha256_cbor", "kv_events_config": json.dumps(
+        {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{replica_kv_ports[0]}",
+         "replay_endpoint": f"tcp://*:{replica_kv_ports[1]}"})}
     repo = copy_repository(
         REPO_ROOT / "model_repository", work / "models",
         models=["llm", "tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
-        renames={"llm_faulty": "llm", "llm_default": "llm", "llm_priority": "llm"},
+        renames={"llm_faulty": "llm", "llm_default": "llm", "llm_priority": "llm",
+                 "llm_replicas": "llm"},
+        instances={"llm_replicas": (2, "KIND_CPU")},
         params={"llm": {**tiny, **kv_events}, "tensorrt_llm": tiny,
+                "llm_replicas": {**tiny, **replica_events},
                 "llm_faulty": {**tiny, "inject_failure_at_step": str(FAILURE_STEP),
                                "max_num_seqs": str(FAULTY_MAX_NUM_SEQS)},
                 "llm_default": {"model": "", **DEFAULT_MODEL_ARGS},
@@ -78,7 +104,7 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
     try:
         handle.wait_ready(timeout=420)
         ready = True
-        yield Server(handle, tiny_model_dir, kv_events_port, kv_replay_port)
+        yield Server(handle, tiny_model_dir, kv_events_port, kv_replay_port, replica_kv_ports)
     finally:
         handle.stop()
         if getattr(request.session, "e2e_failed", False) or not ready:

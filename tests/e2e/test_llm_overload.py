@@ -20,7 +20,7 @@ import tritonclient.grpc as grpcclient
 from backend.repository_layout import copy_repository
 from backend.triton_server import REPO_ROOT, TritonServer
 from tests.e2e.shared import PROMPTS, TINY_ENGINE_ARGS, running_server, greedy
-from tests.e2e.triton_clients import llm_inputs, tensors_to_inputs
+from tests.e2e.triton_clients import llm_inputs, metric, scrape_metrics, tensors_to_inputs
 
 pytestmark = pytest.mark.slow
 
@@ -51,11 +51,8 @@ def explicit_server(tmp_path_factory, tiny_model_dir):
 
 def rejected_total(server: TritonServer, model: str) -> float:
     """tle:num_requests_rejected_total (scrape_metrics keeps only the vllm: family)."""
-    key = f'tle:num_requests_rejected_total{{model="{model}",version="1"}} '
-    lines = [line for line in requests.get(server.metrics_url, timeout=10).text.splitlines()
-             if line.startswith(key)]
-    assert lines, f"tle:num_requests_rejected_total for {model} not exported"
-    return float(lines[0].rsplit(" ", 1)[1])
+    return metric(scrape_metrics(server.metrics_url, "tle:"), "tle:num_requests_rejected_total",
+                  model)
 
 
 def forced(prompt: str, stream: bool = False) -> dict:

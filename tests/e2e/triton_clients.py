@@ -177,18 +177,38 @@ class OpenStream:
         return ended
 
 
-def scrape_metrics(metrics_url: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} for the vllm: metrics."""
+def scrape_metrics(metrics_url: str, prefix: str = "vllm:") -> dict[str, float]:
+    """Prometheus text -> {'name{labels}': value} for the metrics named `prefix`..."""
     values = {}
     for line in requests.get(metrics_url, timeout=10).text.splitlines():
-        if line.startswith("vllm:"):
+        if line.startswith(prefix):
             key, value = line.rsplit(" ", 1)
             values[key] = float(value)
     return values
 
 
+_SERIES = re.compile(r'(?P<name>[^{]+)\{(?P<labels>[^}]*)\}$')
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+
+def series_labels(key: str) -> tuple[str, dict[str, str]]:
+    match = _SERIES.match(key)
+    assert match, f"not a labelled series: {key}"
+    return match.group("name"), dict(_LABEL.findall(match.group("labels")))
+
+
+def metric_by_instance(values: dict[str, float], name: str, model: str) -> dict[str, float]:
+    """One value per model instance (the `instance` label) of a model's series."""
+    out = {}
+    for key, value in values.items():
+        series, labels = series_labels(key)
+        if series == name and labels.get("model") == model and labels.get("version") == "1":
+            out[labels.get("instance", "")] = value
+    return out
+
+
 def metric(values: dict[str, float], name: str, model: str) -> float:
-    pattern = re.compile(re.escape(name) + r'\{model="' + re.escape(model) + r'",version="1"\}$')
-    matches = [v for k, v in values.items() if pattern.match(k)]
-    assert matches, f"{name} for {model} not exported"
-    return matches[0]
+    """A model's value: summed over its instances (one series each)."""
+    per_instance = metric_by_instance(values, name, model)
+    assert per_instance, f"{name} for {model} not exported"
+    return sum(per_instance.values())
