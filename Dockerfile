@@ -4,18 +4,20 @@
 #
 #   docker build -t triton-llm-engine .
 #   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 triton-llm-engine
+#
+# Kubernetes manifests for this image: deploy/ (README.md, "Kubernetes").
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 WORKDIR /opt/triton-llm-engine
-COPY pyproject.toml README.md* ./
-COPY engine ./engine
-COPY kernels ./kernels
-COPY backend ./backend
-COPY model_repository ./model_repository
+# The whole context minus .dockerignore: the OpenAI-compatible frontend
+# (openai_frontend/, run from this folder by `python3 -m openai_frontend`) comes along
+# with the engine without this file naming each package.
+COPY . ./
 # The `tle` Python-based backend that model_repository/llm names: Triton runs
 # <backend-directory>/tle/model.py with its python backend; the code it imports is the
 # `backend` package installed below.
-COPY backend/triton_backend/model.py /opt/tritonserver/backends/tle/model.py
+RUN mkdir -p /opt/tritonserver/backends/tle \
+ && cp backend/triton_backend/model.py /opt/tritonserver/backends/tle/model.py
 
 # The image's Python is 3.10; the code avoids 3.11-only features, so the project's
 # 3.11 pin is relaxed here. The default PyPI torch wheel for Linux is the CUDA build.
@@ -29,6 +31,11 @@ RUN pip install --no-cache-dir --ignore-requires-python ".[kernels]" \
     "from engine.models.gguf_cache import default_model_dir; print(default_model_dir())"
 
 ENV TLE_CACHE_DIR=/opt/triton-llm-engine/cache
-EXPOSE 8000 8001 8002
+# HTTP, gRPC, metrics (Triton); the OpenAI-compatible frontend; the engine's KV-cache
+# events (ZMQ PUB) and their replay socket, when model.json's kv_events_config enables them.
+EXPOSE 8000 8001 8002 9000 5557 5558
+# As scripts/serve.sh: every model in the repository, metrics on, and 20 s for in-flight
+# requests after SIGTERM, so Triton has stopped before Kubernetes' 30 s grace period
+# ends in SIGKILL (the old 30 s met it exactly, so stops were cut, never graceful).
 CMD ["tritonserver", "--model-repository=/opt/triton-llm-engine/model_repository", \
-     "--allow-metrics=true", "--exit-timeout-secs=30"]
+     "--allow-metrics=true", "--exit-timeout-secs=20"]
