@@ -144,7 +144,7 @@ class OpenStream:
 
     def __init__(self, url: str) -> None:
         self.outcome = Outcome()
-        self.sent_at = self.first_response_at = self.ended_at = 0.0
+        self.sent_at = self.first_response_at = self.last_response_at = self.ended_at = 0.0
         self._ended = threading.Event()
         self._client = grpcclient.InferenceServerClient(url)
         self._client.start_stream(callback=self._callback)
@@ -158,6 +158,7 @@ class OpenStream:
             if outputs:
                 self.outcome.responses.append(outputs)
                 self.first_response_at = self.first_response_at or now
+                self.last_response_at = now
             if not final:
                 return
         self.outcome.final = True
