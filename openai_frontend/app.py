@@ -1,0 +1,119 @@
+"""The FastAPI app: OpenAI's routes over the `llm` model, and errors as OpenAI error objects."""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from openai_frontend.chat import render_chat
+from openai_frontend.errors import APIError, bad_request, model_not_found
+from openai_frontend.generation import complete
+from openai_frontend.mapping import chat_request, completion_request
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.responses import ChatFormat, CompletionFormat, OutputFormat
+from openai_frontend.streaming import stream_response
+from openai_frontend.triton_client import TritonLLM
+
+log = logging.getLogger("openai_frontend")
+
+
+def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: Any) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # The asyncio gRPC channel belongs to the event loop it is made in: uvicorn's.
+        app.state.llm = TritonLLM(triton_url, model)
+        try:
+            yield
+        finally:
+            await app.state.llm.close()
+
+    app = FastAPI(title="triton-llm-engine OpenAI-compatible API", lifespan=lifespan)
+    created = int(time.time())
+    _install_error_handlers(app)
+
+    def model_card() -> dict[str, Any]:
+        return {"id": served_model_name, "object": "model", "created": created,
+                "owned_by": "triton-llm-engine", "root": model}
+
+    def check_model(name: str) -> None:
+        if name != served_model_name:
+            raise model_not_found(name)
+
+    async def answer(request: Request, triton_request, fmt: OutputFormat):
+        llm: TritonLLM = request.app.state.llm
+        if triton_request.stream:
+            return await stream_response(llm, triton_request, fmt)
+        return await complete(llm, triton_request, fmt)
+
+    @app.get("/health")
+    async def health(request: Request):
+        if await request.app.state.llm.ready():
+            return JSONResponse({})
+        raise APIError(503, f"model {model!r} is not ready on Triton at {triton_url}",
+                       code="service_unavailable")
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def get_model(name: str):
+        check_model(name)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        triton_request = completion_request(body)
+        echo = [p for p in triton_request.prompts for _ in range(body.n or 1)] if body.echo else None
+        return await answer(request, triton_request, CompletionFormat(served_model_name, echo=echo))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt,
+                             body.continue_final_message, body.chat_template_kwargs)
+        return await answer(request, chat_request(body, prompt),
+                            ChatFormat(served_model_name, top_logprobs=body.top_logprobs or 0))
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, exc: RequestValidationError):
+        # FastAPI says 422; OpenAI and its clients expect 400 for a malformed request.
+        error = validation_error(exc.errors())
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException):
+        return JSONResponse(APIError(exc.status_code, str(exc.detail)).body(),
+                            status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception):
+        log.exception("unexpected error")
+        return JSONResponse(APIError(500, f"{type(exc).__name__}: {exc}",
+                                     code="internal_error").body(), status_code=500)
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """pydantic's errors on a request body -> one 400 naming the first field at fault."""
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid")
+        return bad_request(f"request body is not valid JSON: {detail.get('ctx', {}).get('error', '')}")
+    fields = [".".join(str(p) for p in e.get("loc", ()) if p != "body") or "body" for e in errors]
+    message = "; ".join(f"{f}: {e.get('msg', '')}" for f, e in zip(fields, errors))
+    first = fields[0].split(".")[0] if fields else None
+    return bad_request(message or "invalid request body", None if first == "body" else first)

@@ -1,0 +1,128 @@
+"""OpenAI request -> what the `llm` model is sent: prompt texts and vLLM sampling parameters.
+
+Pure (no Triton, no HTTP), so every rule is unit-tested. Values are forwarded, not
+checked: the backend validates each one and names the field (INVALID_ARG -> 400), so the
+ranges live in one place (engine/request.py). Only what has no `llm` equivalent is
+refused here."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from openai_frontend.errors import bad_request
+from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, CommonFields
+
+# Forwarded under the same name when set (OpenAI's and vLLM's names agree).
+_PASSTHROUGH = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
+                "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
+                "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
+                "skip_special_tokens", "priority")
+# vLLM's older per-kind fields -> the key of vLLM's StructuredOutputsParams.
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+           "guided_grammar": "grammar"}
+
+
+@dataclass(frozen=True, slots=True)
+class TritonRequest:
+    prompts: list[str]
+    sampling: dict[str, Any]
+    stream: bool
+    # return_logprobs: the request asked for logprobs (then sampling holds "logprobs").
+    logprobs: bool
+    include_usage: bool
+
+
+def completion_request(req: CompletionRequest) -> TritonRequest:
+    prompts = _prompt_texts(req.prompt)
+    if req.suffix:
+        raise bad_request("suffix is not supported", "suffix")
+    if req.best_of not in (None, 1, req.n or 1):
+        raise bad_request("best_of must equal n (no ranking of sequences here)", "best_of")
+    if req.echo and req.logprobs is not None:
+        raise bad_request("echo with logprobs needs prompt logprobs, which this server "
+                          "does not compute", "echo")
+    sampling = _sampling(req)
+    # OpenAI's default for completions is 16 tokens, the engine's default too: unset
+    # stays unset.
+    if req.max_tokens is not None:
+        sampling["max_tokens"] = req.max_tokens
+    if req.logprobs is not None:
+        sampling["logprobs"] = req.logprobs
+    return _triton_request(req, prompts, sampling, req.logprobs is not None)
+
+
+def chat_request(req: ChatCompletionRequest, prompt: str) -> TritonRequest:
+    """`prompt`: the messages through the model's chat template (openai_frontend.chat)."""
+    if req.tools:
+        raise bad_request("tools are not supported", "tools")
+    if req.tool_choice not in (None, "none", "auto"):
+        raise bad_request("tool_choice needs tools, which are not supported", "tool_choice")
+    if req.max_tokens is not None and req.max_completion_tokens is not None \
+            and req.max_tokens != req.max_completion_tokens:
+        raise bad_request("send max_completion_tokens or max_tokens, not both", "max_tokens")
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
+    sampling = _sampling(req)
+    # OpenAI's chat default is "until the model stops or the context is full", which
+    # is the engine's max_tokens=None (bounded by max_model_len).
+    limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    sampling["max_tokens"] = limit
+    if req.logprobs:
+        sampling["logprobs"] = req.top_logprobs or 0
+    return _triton_request(req, [prompt], sampling, req.logprobs)
+
+
+def _triton_request(req: CommonFields, prompts: list[str], sampling: dict[str, Any],
+                    logprobs: bool) -> TritonRequest:
+    options = req.stream_options
+    if options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream=true", "stream_options")
+    return TritonRequest(prompts, sampling, req.stream, logprobs,
+                         bool(options and options.include_usage))
+
+
+def _prompt_texts(prompt: Any) -> list[str]:
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and not prompt:
+        raise bad_request("prompt must not be empty", "prompt")
+    else:
+        raise bad_request("token-id prompts are not supported; send text", "prompt")
+    if any(not p for p in prompts):
+        raise bad_request("prompt must not be empty", "prompt")
+    return prompts
+
+
+def _sampling(req: CommonFields) -> dict[str, Any]:
+    sampling = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    structured = _structured_outputs(req)
+    if structured is not None:
+        sampling["structured_outputs"] = structured
+    return sampling
+
+
+def _structured_outputs(req: CommonFields) -> dict[str, Any] | None:
+    given = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        if fmt.type == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif fmt.json_schema is None:
+            raise bad_request("response_format json_schema needs its json_schema object",
+                              "response_format")
+        else:
+            given.append(("response_format", {"json": fmt.json_schema.json_schema}))
+    if req.structured_outputs is not None:
+        given.append(("structured_outputs", req.structured_outputs))
+    for name, key in _GUIDED.items():
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, {key: value}))
+    if len(given) > 1:
+        raise bad_request(f"send one of {', '.join(n for n, _ in given)}, not several",
+                          given[1][0])
+    return given[0][1] if given else None

@@ -1,0 +1,96 @@
+"""The request bodies of /v1/completions and /v1/chat/completions (OpenAI's names).
+
+Unknown fields are refused (400 naming them), as everywhere in this project: a typo or an
+OpenAI feature this server lacks would otherwise change the answer without a word. The
+fields a client may send that change nothing for a self-hosted model (`user`, `store`, ...)
+are accepted. vLLM's extra sampling parameters, which its clients send through the
+openai client's `extra_body`, are forwarded to the `llm` model under the same names."""
+from __future__ import annotations
+
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    # vLLM's: usage on every chunk. Accepted only off, so a client relying on it hears so.
+    continuous_usage_stats: Literal[False] = False
+
+
+class JsonSchema(_Strict):
+    name: str = "response"
+    description: str | None = None
+    # OpenAI's key is `schema`, a name pydantic's BaseModel reserves.
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+
+class CommonFields(_Strict):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: Union[str, list[str], None] = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+    logit_bias: dict[str, float] | None = None
+    # Accepted, no effect here: OpenAI's end-user id, storage and billing options.
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    # vLLM's extras, forwarded as they are (the backend validates them).
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    priority: int | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Union[dict[str, Any], str, None] = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class CompletionRequest(CommonFields):
+    # Text, or a batch of texts; token-id prompts are refused (the `llm` model takes text).
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ChatCompletionRequest(CommonFields):
+    messages: list[dict[str, Any]]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = None
+    # vLLM's chat-template switches.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None

@@ -1,0 +1,140 @@
+"""`llm` outputs -> OpenAI response objects: choices, logprobs and usage, for
+/v1/completions and /v1/chat/completions, whole (non-streaming) or as stream chunks.
+
+Pure; the two formats share one shape (OutputFormat) so the streaming code and the
+non-streaming code do not care which endpoint they serve."""
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+# Per new token: [(token text, logprob), ...], the sampled token first (triton_client.Chunk).
+Positions = list[list[tuple[str, float]]]
+
+
+@dataclass(slots=True)
+class ChoiceState:
+    """What one choice has produced so far (streaming, or one final response)."""
+    started: bool = False
+    finish_reason: str | None = None
+    # Characters of completion text so far: completions' logprobs.text_offset.
+    text_offset: int = 0
+    completion_tokens: int = 0
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+@dataclass(slots=True)
+class OutputFormat:
+    model: str
+    request_id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    id_prefix = ""
+    object = ""
+    chunk_object = ""
+    # A stream chunk is due for a choice's first response even when it has no text (chat
+    # announces the assistant role there).
+    announces_start = False
+
+    def __post_init__(self) -> None:
+        self.request_id = self.request_id or f"{self.id_prefix}{uuid.uuid4().hex}"
+
+    def body(self, choices: list[dict[str, Any]], usage_: dict[str, int] | None,
+             chunk: bool = False, with_usage: bool = True) -> dict[str, Any]:
+        """with_usage=False leaves `usage` out of a chunk: OpenAI sends it (null until the
+        last chunk) only when stream_options.include_usage is set."""
+        body = {"id": self.request_id, "object": self.chunk_object if chunk else self.object,
+                "created": self.created, "model": self.model, "system_fingerprint": None,
+                "choices": choices}
+        if with_usage or not chunk:
+            body["usage"] = usage_
+        return body
+
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               positions: Positions | None, state: ChoiceState, chunk: bool) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class CompletionFormat(OutputFormat):
+    id_prefix = "cmpl-"
+    object = "text_completion"
+    chunk_object = "text_completion"
+    # echo=true: each choice's prompt, by choice index, put before its first text.
+    echo: list[str] | None = None
+
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               positions: Positions | None, state: ChoiceState, chunk: bool) -> dict[str, Any]:
+        if self.echo is not None and not state.started:
+            text = self.echo[index] + text
+        state.started = True
+        logprobs = None
+        if positions is not None:
+            logprobs = completion_logprobs(positions, state.text_offset)
+        state.text_offset += len(text)
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+@dataclass(slots=True)
+class ChatFormat(OutputFormat):
+    id_prefix = "chatcmpl-"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+    announces_start = True
+    top_logprobs: int = 0
+
+    def choice(self, index: int, text: str, finish_reason: str | None,
+               positions: Positions | None, state: ChoiceState, chunk: bool) -> dict[str, Any]:
+        logprobs = None if positions is None else chat_logprobs(positions, self.top_logprobs)
+        if not chunk:
+            message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+            return {"index": index, "message": message, "logprobs": logprobs,
+                    "finish_reason": finish_reason}
+        # OpenAI's stream: the role in the choice's first delta only; a delta that only
+        # finishes the choice is empty.
+        delta: dict[str, Any] = {}
+        if not state.started:
+            delta["role"] = "assistant"
+        if text or not state.started:
+            delta["content"] = text
+        state.started = True
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_logprobs(positions: Positions, text_offset: int) -> dict[str, Any]:
+    """OpenAI's legacy shape. top_logprobs holds every token the engine returned for the
+    position (the requested top ones plus the sampled one), as OpenAI and vLLM do; tokens
+    with the same text keep the higher logprob."""
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for position in positions:
+        token, logprob = position[0]
+        tokens.append(token)
+        token_logprobs.append(logprob)
+        alternatives: dict[str, float] = {}
+        for text, value in position:
+            alternatives[text] = max(value, alternatives.get(text, value))
+        top.append(alternatives)
+        offsets.append(text_offset)
+        text_offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+def chat_logprobs(positions: Positions, top_logprobs: int) -> dict[str, Any]:
+    content = []
+    for position in positions:
+        token, logprob = position[0]
+        ranked = sorted(position, key=lambda item: -item[1])[:top_logprobs]
+        content.append({**_token_logprob(token, logprob),
+                        "top_logprobs": [_token_logprob(t, v) for t, v in ranked]})
+    return {"content": content, "refusal": None}
+
+
+def _token_logprob(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

@@ -1,0 +1,84 @@
+"""Server-Sent Events for `stream: true`, in OpenAI's framing: one `data: {chunk}` event
+per Triton response that adds something, an optional usage chunk, then `data: [DONE]`."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from typing import Any, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from openai_frontend.errors import APIError
+from openai_frontend.generation import responses
+from openai_frontend.mapping import TritonRequest
+from openai_frontend.responses import ChoiceState, OutputFormat, usage
+from openai_frontend.triton_client import Chunk, TritonLLM
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def stream_response(llm: TritonLLM, request: TritonRequest,
+                          fmt: OutputFormat) -> StreamingResponse:
+    """Waits for Triton's first response before answering, so a request Triton refuses
+    (a bad parameter, server busy) gets its HTTP error status rather than a 200 stream
+    that carries the error."""
+    source = responses(llm, request)
+    try:
+        first = await source.__anext__()
+    except StopAsyncIteration:
+        first = None
+    except BaseException:
+        await source.aclose()
+        raise
+    return StreamingResponse(events(first, source, request, fmt), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def events(first: tuple[int, Chunk] | None, rest: AsyncIterator[tuple[int, Chunk]],
+                 request: TritonRequest, fmt: OutputFormat) -> AsyncIterator[str]:
+    states: dict[int, ChoiceState] = defaultdict(ChoiceState)
+    prompt_tokens: dict[int, int] = {}
+    try:
+        if first is not None:
+            event = _chunk_event(*first, states, prompt_tokens, request, fmt)
+            if event:
+                yield event
+            async for index, chunk in rest:
+                event = _chunk_event(index, chunk, states, prompt_tokens, request, fmt)
+                if event:
+                    yield event
+        if request.include_usage:
+            completion_tokens = sum(s.completion_tokens for s in states.values())
+            yield sse(fmt.body([], usage(sum(prompt_tokens.values()), completion_tokens), chunk=True))
+    except APIError as exc:
+        # Mid-stream the status is already 200: the error travels as an event, which
+        # the openai client raises as APIError.
+        yield sse(exc.body())
+    finally:
+        await rest.aclose()
+    yield sse("[DONE]")
+
+
+def _chunk_event(prompt_index: int, chunk: Chunk, states: dict[int, ChoiceState],
+                 prompt_tokens: dict[int, int], request: TritonRequest,
+                 fmt: OutputFormat) -> str | None:
+    prompt_tokens[prompt_index] = chunk.num_input_tokens
+    n = len(chunk.texts)
+    choices = []
+    for i, text in enumerate(chunk.texts):
+        state = states[prompt_index * n + i]
+        if state.finish_reason is not None:
+            continue  # n > 1: a finished sequence still has (empty) entries
+        state.completion_tokens += chunk.num_output_tokens[i]
+        reason = chunk.finish_reasons[i]
+        if not text and reason is None and (state.started or not fmt.announces_start):
+            continue
+        state.finish_reason = reason
+        positions = chunk.logprobs[i] if chunk.logprobs is not None else None
+        choices.append(fmt.choice(prompt_index * n + i, text, reason, positions, state, chunk=True))
+    if not choices:
+        return None
+    return sse(fmt.body(choices, None, chunk=True, with_usage=request.include_usage))

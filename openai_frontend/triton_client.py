@@ -1,0 +1,117 @@
+"""The `llm` model over Triton's gRPC streaming API (tritonclient's asyncio client).
+
+Every request goes on its own stream: a decoupled model cannot be called with the unary
+ModelInfer, and a stream error names no request, so one stream per request is what lets an
+error reach the right HTTP response. Streams share the client's one channel."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import tritonclient.grpc.aio as grpcaio
+
+from openai_frontend.errors import APIError, from_triton
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One `llm` response: one entry per sequence (n of them)."""
+    texts: list[str]
+    finish_reasons: list[str | None]
+    num_input_tokens: int
+    num_output_tokens: list[int]
+    # Per sequence, per new token: [(token text, logprob), ...], the sampled token first.
+    logprobs: list[list[list[tuple[str, float]]]] | None
+    final: bool
+
+
+def request_inputs(prompt: str, sampling: dict[str, Any], stream: bool,
+                   logprobs: bool) -> list[grpcclient.InferInput]:
+    tensors: dict[str, np.ndarray] = {
+        "text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
+        "sampling_parameters": np.array([json.dumps(sampling).encode("utf-8")], dtype=np.object_),
+        "stream": np.array([stream]),
+        "exclude_input_in_output": np.array([True]),
+        "return_finish_reason": np.array([True]),
+        "return_num_input_tokens": np.array([True]),
+        "return_num_output_tokens": np.array([True]),
+    }
+    if logprobs:
+        tensors["return_logprobs"] = np.array([True])
+    inputs = []
+    for name, array in tensors.items():
+        tensor = grpcclient.InferInput(name, list(array.shape),
+                                       "BYTES" if array.dtype == np.object_ else "BOOL")
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
+
+
+def parse_response(outputs: dict[str, np.ndarray], final: bool) -> Chunk:
+    texts = [t.decode("utf-8") for t in outputs["text_output"].reshape(-1)]
+    # The backend sends str(None) for a sequence still running, as vllm_backend does.
+    reasons = [None if r.decode() == "None" else r.decode()
+               for r in outputs["finish_reason"].reshape(-1)]
+    logprobs = None
+    if "logprobs" in outputs:
+        logprobs = [[[(info.get("decoded_token", ""), float(info["logprob"]))
+                      for info in position.values()] for position in json.loads(raw)]
+                    for raw in outputs["logprobs"].reshape(-1)]
+    return Chunk(texts, reasons, int(outputs["num_input_tokens"].reshape(-1)[0]),
+                 [int(n) for n in outputs["num_output_tokens"].reshape(-1)], logprobs, final)
+
+
+class TritonLLM:
+    def __init__(self, url: str, model: str) -> None:
+        self.url = url
+        self.model = model
+        self._client = grpcaio.InferenceServerClient(url)
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def ready(self, timeout: float = 2.0) -> bool:
+        try:
+            return bool(await self._client.is_model_ready(self.model, client_timeout=timeout))
+        except Exception:  # noqa: BLE001 - unreachable, timed out, ...: not ready either way
+            return False
+
+    async def generate(self, prompt: str, sampling: dict[str, Any], stream: bool,
+                       logprobs: bool) -> AsyncIterator[Chunk]:
+        """The request's responses as Chunks, ending with the final one. A Triton error
+        is raised as APIError. Closing the iterator early (the HTTP client left) cancels
+        the request, so the engine frees its KV blocks at once."""
+        request = {"model_name": self.model,
+                   "inputs": request_inputs(prompt, sampling, stream, logprobs)}
+
+        async def one_request():
+            yield request
+
+        try:
+            responses = self._client.stream_infer(one_request())
+        except Exception as exc:  # noqa: BLE001 - tritonclient raises its own exception type
+            raise from_triton(exc) from None
+        finished = False
+        try:
+            while not finished:
+                try:
+                    result, error = await responses.__anext__()
+                except StopAsyncIteration:
+                    raise APIError(500, "Triton closed the stream before the final response",
+                                   code="internal_error") from None
+                except Exception as exc:  # noqa: BLE001 - grpc errors, connection loss
+                    raise from_triton(exc) from None
+                if error is not None:
+                    finished = True
+                    raise from_triton(error)
+                response = result.get_response()
+                finished = response.parameters["triton_final_response"].bool_param
+                outputs = {out.name: result.as_numpy(out.name) for out in response.outputs}
+                if outputs:
+                    yield parse_response(outputs, finished)
+        finally:
+            if not finished:
+                responses.cancel()
