@@ -110,4 +110,5 @@ class EngineModel:
 
     def finalize(self) -> None:
         self._loop.stop(self.options.drain_timeout_s)
+        self.engine.close()  # tensor-parallel workers, if any
         self._worker.stop()

@@ -73,27 +73,27 @@ class LLMEngine:
             loaded = self._start_tensor_parallel(config, loaded, num_threads)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        try:
+        try:  # from here a failure must also stop the tensor-parallel workers
             self.config = self._resolve(config, loaded)
+            sched_cfg, cache_cfg = self.config.scheduler, self.config.cache
+            send_step = None
+            if self._tensor_parallel is not None:
+                from engine.parallel.worker import CacheSetup
+                self._tensor_parallel.start(CacheSetup(
+                    cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                    sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len))
+                send_step = self._tensor_parallel.send_step
+            self.runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                                      seed=self.config.seed,
+                                      inject_failure_at_step=self.config.inject_failure_at_step,
+                                      send_step=send_step)
+            self.scheduler = Scheduler(sched_cfg, cache_cfg)
+            warm_start = time.perf_counter()
+            self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
+                                sched_cfg.max_model_len)
         except BaseException:
             self.close()
             raise
-        sched_cfg, cache_cfg = self.config.scheduler, self.config.cache
-        send_step = None
-        if self._tensor_parallel is not None:
-            from engine.parallel.worker import CacheSetup
-            self._tensor_parallel.start(CacheSetup(cache_cfg.num_kv_blocks, cache_cfg.block_size,
-                                                   sched_cfg.max_num_batched_tokens,
-                                                   sched_cfg.max_model_len))
-            send_step = self._tensor_parallel.send_step
-        self.runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
-                                  seed=self.config.seed,
-                                  inject_failure_at_step=self.config.inject_failure_at_step,
-                                  send_step=send_step)
-        self.scheduler = Scheduler(sched_cfg, cache_cfg)
-        warm_start = time.perf_counter()
-        self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
-                            sched_cfg.max_model_len)
         # CUDA graphs replay one rank's kernels; the all-reduces between them are not
         # captured here, so tensor-parallel decode steps run eagerly.
         if (self.runner.device.type == "cuda" and not self.config.enforce_eager

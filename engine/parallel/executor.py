@@ -132,6 +132,11 @@ class TensorParallelExecutor:
         return outcome["group"]
 
     @property
+    def workers(self) -> list:
+        """The worker processes (multiprocessing.Process), rank 1 first."""
+        return list(self._workers.processes)
+
+    @property
     def world_size(self) -> int:
         return self.group.world_size
 

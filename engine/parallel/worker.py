@@ -72,7 +72,9 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
 
 def _exit_with_parent() -> None:
     """Linux: the kernel sends SIGTERM to this worker if rank 0's process dies, even by
-    SIGKILL, when no Python exit handler runs to stop it."""
+    SIGKILL, when no Python exit handler runs to stop it. (Strictly, when the *thread*
+    that spawned it ends: the engine must be built on the thread that keeps stepping
+    it, which the backend's engine loop does for other reasons too.)"""
     try:
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
         pr_set_pdeathsig = 1
