@@ -112,5 +112,7 @@ class EngineModel:
                                 "(ENABLE_VLLM_HEALTH_CHECK needs --model-control-mode=explicit)")
 
     def finalize(self) -> None:
+        # The engine thread closes the engine (tensor-parallel workers, KV-event sockets)
+        # as its loop ends.
         self._loop.stop(self.options.drain_timeout_s)
         self._worker.stop()

@@ -70,7 +70,6 @@ NO_EFFECT = frozenset({
 # Features this engine does not have: accepted only at these values (vLLM's defaults,
 # which leave the feature off); anything else fails the load naming the argument.
 UNSUPPORTED = {
-    "tensor_parallel_size": (1,),
     "pipeline_parallel_size": (1,),
     "data_parallel_size": (1,),
     "prefill_context_parallel_size": (1,),

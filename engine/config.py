@@ -125,6 +125,9 @@ class EngineConfig:
     num_threads: int = 0
     # vLLM's name: on a GPU, no CUDA graphs (decode steps launch kernel by kernel).
     enforce_eager: bool = False
+    # vLLM's name: ranks that each hold 1/N of every layer's heads, MLP columns and vocab
+    # (engine/parallel/); rank 0 is this process, N - 1 workers are spawned. 1: no workers.
+    tensor_parallel_size: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # JSON Lines workload trace (engine/trace.py) for the replay and the tuner (tune/);
@@ -155,6 +158,11 @@ class EngineConfig:
             raise ValueError(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"num_threads must be an integer >= 0, got {self.num_threads!r}")
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1 and self.quantization == "gguf":
+            # The packed GGUF blocks are quantized along the rows the shards would cut.
+            raise ValueError("quantization 'gguf' runs in one process only; it cannot be "
+                             f"combined with tensor_parallel_size={self.tensor_parallel_size}")
 
     @property
     def torch_device(self) -> str:

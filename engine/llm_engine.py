@@ -60,23 +60,47 @@ class LLMEngine:
             config = EngineConfig.from_dict(engine_args)
         elif engine_args:
             raise ValueError("pass either an EngineConfig or engine arguments, not both")
-        self._threads = configure_threads(config.num_threads, cpu_features.detect().num_cpus,
-                                          config.torch_device)
+        tp_size = config.tensor_parallel_size
+        num_cpus = cpu_features.detect().num_cpus
+        # Ranks share the CPUs: each gets its part, fixed (the governor would count the
+        # other ranks as busy neighbours and shrink every rank to one thread).
+        num_threads = (config.num_threads or max(1, num_cpus // tp_size)) if tp_size > 1 \
+            else config.num_threads
+        self._threads = configure_threads(num_threads, num_cpus, config.torch_device)
         loaded = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
                             device=config.torch_device, quantization=config.quantization)
+        self._tensor_parallel = None
+        if tp_size > 1:
+            loaded = self._start_tensor_parallel(config, loaded, num_threads)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.config = self._resolve(config, loaded)
-        sched_cfg, cache_cfg = self.config.scheduler, self.config.cache
-        self.runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
-                                  seed=self.config.seed,
-                                  inject_failure_at_step=self.config.inject_failure_at_step)
-        kv_events_on = self.config.kv_events_config is not None and self.config.kv_events_config.active
-        self.scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events_on)
-        warm_start = time.perf_counter()
-        self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
-                            sched_cfg.max_model_len)
-        if self.runner.device.type == "cuda" and not self.config.enforce_eager:
+        try:  # from here a failure must also stop the tensor-parallel workers
+            self.config = self._resolve(config, loaded)
+            sched_cfg, cache_cfg = self.config.scheduler, self.config.cache
+            send_step = None
+            if self._tensor_parallel is not None:
+                from engine.parallel.worker import CacheSetup
+                self._tensor_parallel.start(CacheSetup(
+                    cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                    sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len))
+                send_step = self._tensor_parallel.send_step
+            self.runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                                      seed=self.config.seed,
+                                      inject_failure_at_step=self.config.inject_failure_at_step,
+                                      send_step=send_step)
+            kv_events = self.config.kv_events_config
+            self.scheduler = Scheduler(sched_cfg, cache_cfg,
+                                       enable_kv_events=kv_events is not None and kv_events.active)
+            warm_start = time.perf_counter()
+            self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
+                                sched_cfg.max_model_len)
+        except BaseException:
+            self.close()
+            raise
+        # CUDA graphs replay one rank's kernels; the all-reduces between them are not
+        # captured here, so tensor-parallel decode steps run eagerly.
+        if (self.runner.device.type == "cuda" and not self.config.enforce_eager
+                and tp_size == 1):
             self.runner.use_decode_graphs(sched_cfg.max_num_seqs, sched_cfg.max_model_len,
                                           capture=True)
         warm_up_s = time.perf_counter() - warm_start
@@ -102,6 +126,18 @@ class LLMEngine:
                     str(loaded.dtype).removeprefix("torch."), cache_cfg.num_kv_blocks,
                     cache_cfg.block_size, sched_cfg.max_model_len, cpu_features.detect().describe(),
                     loaded.load_seconds, warm_up_s)
+
+    def _start_tensor_parallel(self, config: EngineConfig, loaded, num_threads: int):
+        """Spawn the workers (after this rank's load, so a model that cannot be split
+        fails before any starts) and return rank 0's shard of `loaded`."""
+        from engine.parallel.executor import TensorParallelExecutor
+        self._tensor_parallel = TensorParallelExecutor(config, loaded.hf_config,
+                                                       str(loaded.model_dir), num_threads)
+        try:
+            return self._tensor_parallel.shard(loaded)
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def _resolve(config: EngineConfig, loaded) -> EngineConfig:
@@ -263,6 +299,8 @@ class LLMEngine:
         try:
             result = self.runner.execute(sched_out)
         except Exception as exc:
+            if self._tensor_parallel is not None:
+                exc = self._tensor_parallel.explain(exc)
             raise self._fail_step(sched_out, exc) from exc
         if trace is not None:
             features = step_features(sched_out)
@@ -362,10 +400,14 @@ class LLMEngine:
             self.kv_events.publish(self.scheduler.kv_cache_manager.take_events())
 
     def close(self) -> None:
-        """Release what outlives a step: the KV-event sockets (their ports) and the trace."""
-        if self.kv_events is not None:
+        """Release what outlives a step: the tensor-parallel workers (also stopped at
+        interpreter exit), the KV-event sockets (their ports) and the trace. Safe to call
+        twice, and from a constructor that failed half-way."""
+        if getattr(self, "_tensor_parallel", None) is not None:
+            self._tensor_parallel.close()
+        if getattr(self, "kv_events", None) is not None:
             self.kv_events.shutdown()
             self.kv_events = None
-        if self.trace is not None:
+        if getattr(self, "trace", None) is not None:
             self.trace.close()
             self.trace = None

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -27,13 +28,33 @@ class RunnerOutput:
     logprobs: dict[str, TokenLogprobs]
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """What one forward needs, already on the model's device: the part of a step that
+    rank 0 broadcasts to tensor-parallel workers (engine/parallel/)."""
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    # Rows whose logits are computed; None when no request samples this step.
+    sample_rows: torch.Tensor | None
+
+    def to(self, device: torch.device) -> "StepInputs":
+        m = self.meta
+        meta = AttentionMetadata(m.slot_mapping.to(device), m.block_tables.to(device),
+                                 m.query_start_loc.to(device), m.seq_lens.to(device),
+                                 m.max_query_len, m.max_seq_len)
+        rows = None if self.sample_rows is None else self.sample_rows.to(device)
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows)
+
+
 class InjectedFailure(RuntimeError):
     """Raised by the test-only failure switch."""
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int,
-                 seed: int = 0, inject_failure_at_step: int = 0) -> None:
+                 seed: int = 0, inject_failure_at_step: int = 0,
+                 send_step: Callable[[StepInputs], None] | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
@@ -47,6 +68,9 @@ class ModelRunner:
         self.inject_failure_at_step = inject_failure_at_step
         self.num_steps = 0
         self.decode_graphs: DecodeGraphs | None = None
+        # Tensor parallelism: hands each step's inputs to the workers before this rank
+        # runs it, since every rank's forward joins the same collectives.
+        self.send_step = send_step
         # Per-step metadata is built on the host; on a GPU it goes up from page-locked
         # memory without blocking (torch's caching host allocator reuses those pages, and
         # keeps each until its copy is done).
@@ -74,15 +98,13 @@ class ModelRunner:
         if self.num_steps == self.inject_failure_at_step:
             raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
-        hidden = None
-        if self.decode_graphs is not None and meta.max_query_len == 1:
-            hidden = self.decode_graphs.run(input_ids, positions, meta)
-        if hidden is None:
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        if not sample_reqs:
+        inputs = StepInputs(input_ids, positions, meta, sample_rows if sample_reqs else None)
+        if self.send_step is not None:
+            self.send_step(inputs)
+        logits = self.forward(inputs)
+        if logits is None:
             return RunnerOutput({}, {})
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
-        logits = self.model.compute_logits(hidden[sample_rows], upcast=False)
         result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sample_reqs, token_ids)}
@@ -98,6 +120,18 @@ class ModelRunner:
                 top = dict(zip(top_ids[row][:k], top_vals[row][:k])) if top_ids and k else {}
                 logprobs[request.request_id] = TokenLogprobs(chosen[row], top)
         return RunnerOutput(sampled, logprobs)
+
+    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+        """The model's part of a step (what every tensor-parallel rank runs): logits of
+        the sampled rows, or None when none samples."""
+        hidden = None
+        if self.decode_graphs is not None and inputs.meta.max_query_len == 1:
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.sample_rows is None:
+            return None
+        return self.model.compute_logits(hidden[inputs.sample_rows], upcast=False)
 
     def _prepare(self, out: SchedulerOutput):
         requests = out.scheduled_requests

@@ -62,18 +62,19 @@ def test_config_pbtxt_parameters_win_over_model_json():
 
 def test_args_without_effect_are_logged_and_unsupported_ones_pass_at_their_off_value():
     _, _, lines = settings({"disable_log_requests": False, "swap_space": 4,
-                            "tensor_parallel_size": 1, "enable_lora": False, "hf_overrides": {}})
+                            "pipeline_parallel_size": 1, "enable_lora": False, "hf_overrides": {}})
     assert len(lines) == 1
-    for name in ("disable_log_requests", "swap_space", "tensor_parallel_size", "enable_lora"):
+    for name in ("disable_log_requests", "swap_space", "pipeline_parallel_size", "enable_lora"):
         assert name in lines[0]
 
 
 @pytest.mark.parametrize("data,fragment", [
-    ({"tensor_parallel_size": 2}, "'tensor_parallel_size' = 2 is not supported"),
+    ({"pipeline_parallel_size": 2}, "'pipeline_parallel_size' = 2 is not supported"),
     ({"quantization": "awq"}, "model.json key 'quantization'"),
     ({"enable_lora": True}, "'enable_lora'"),
     ({"kv_cache_dtype": "fp8"}, "'kv_cache_dtype'"),
-    ({"tensor_parallel_size": True}, "'tensor_parallel_size'"),  # true is not 1 here
+    ({"pipeline_parallel_size": True}, "'pipeline_parallel_size'"),  # true is not 1 here
+    ({"tensor_parallel_size": 0}, "model.json key 'tensor_parallel_size'"),
     ({"max_num_seq": 4}, "unknown engine argument 'max_num_seq'.*did you mean 'max_num_seqs'"),
     ({"no_such_thing": 1}, "unknown engine argument 'no_such_thing'"),
     ({"max_num_seqs": "lots"}, "model.json key 'max_num_seqs'"),

@@ -88,6 +88,18 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias, self.packed, self.quantized)
 
 
+class Embedding(nn.Module):
+    """Token id -> row of `weight` [vocab, hidden]; tensor parallelism swaps in a
+    vocabulary-sliced subclass (engine/parallel/sharding.py)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(num_embeddings, embedding_dim, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     """RMSNorm with an optional fused residual add (numerics: kernels.reference.add_rms_norm,
     HF's rounding order)."""

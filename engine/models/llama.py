@@ -9,12 +9,11 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models import single_decode
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
+from engine.models.layers import Embedding, Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
 from engine.models.rope import RotaryEmbedding
 from kernels import dispatch
 from kernels.gguf_weight import GgufWeight
@@ -94,8 +93,7 @@ class LlamaModel(nn.Module):
         spec = arch_spec(config)
         # One table shared by every layer: same positions, same frequencies.
         self.rotary = RotaryEmbedding(config, dtype)
-        self.embed_tokens = nn.Module()
-        self.embed_tokens.weight = empty_param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.embed_quantized: GgufWeight | None = None
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, self.rotary, dtype)
                                     for _ in range(config.num_hidden_layers))
@@ -109,10 +107,7 @@ class LlamaModel(nn.Module):
                 kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
-        if self.embed_quantized is not None:
-            x = dispatch.gguf_embedding(input_ids, self.embed_quantized, self.norm.weight.dtype)
-        else:
-            x = F.embedding(input_ids, self.embed_tokens.weight)
+        x = self.embed(input_ids)
         if self.fused_single_decode and meta.max_query_len == 1 and input_ids.shape[0] == 1:
             plan = self._plan_for(kv_caches)
             if plan is not None:
@@ -125,6 +120,11 @@ class LlamaModel(nn.Module):
             x, residual = layer.forward(cos_sin, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_quantized is not None:
+            return dispatch.gguf_embedding(input_ids, self.embed_quantized, self.norm.weight.dtype)
+        return self.embed_tokens.forward(input_ids)
 
     def _plan_for(self, kv_caches: list[KVCache]):
         key = kv_caches[0][0].data_ptr()
@@ -152,6 +152,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = empty_param(config.vocab_size, config.hidden_size, dtype=dtype)
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_quantized: GgufWeight | None = None
+        # Tensor parallelism: each rank's lm_head holds a slice of the vocabulary, and this
+        # joins the ranks' logit columns into full rows (engine/parallel/sharding.py).
+        self.gather_logits = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -162,6 +165,8 @@ class LlamaForCausalLM(nn.Module):
         only when it needs more than an argmax)."""
         logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed,
                         self.lm_head_quantized)
+        if self.gather_logits is not None:
+            logits = self.gather_logits(logits)
         return logits.float() if upcast else logits
 
     def prepack(self) -> None:

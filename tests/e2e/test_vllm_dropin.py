@@ -69,7 +69,7 @@ PBTXT_BLOCK_SIZE, PBTXT_BLOCKS = 32, 40
 # model name -> (model.json text, fragment the load error must contain)
 BAD = {
     "bad_unknown": ({"max_num_seq": 4}, "'max_num_seq'"),
-    "bad_unsupported": ({"tensor_parallel_size": 2}, "'tensor_parallel_size'"),
+    "bad_unsupported": ({"pipeline_parallel_size": 2}, "'pipeline_parallel_size'"),
     "bad_value": ({"max_num_seqs": "lots"}, "'max_num_seqs'"),
     "bad_json": ('{"max_num_seqs": 4,', "model.json"),
 }
