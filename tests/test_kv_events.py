@@ -16,7 +16,7 @@ from engine.kv_events import KVEventsConfig, ZmqEventPublisher, encode_batch
 from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from tests.fake_model import FakeModelRunner
-from tests.test_scheduler_properties import EOS, workloads
+from tests.test_scheduler_properties import drive, workloads
 from tuning.kv_index import KVEventIndex, decode_batch
 
 
@@ -137,37 +137,20 @@ def test_events_rebuild_the_cached_set_after_any_workload(workload, algo, rnd):
     set is exactly the engine's."""
     sched, cache, specs = workload
     cache.prefix_caching_hash_algo = algo
-    s = Scheduler(sched, cache, enable_kv_events=True)
-    runner = FakeModelRunner(cache.num_kv_blocks, cache.block_size)
     index = KVEventIndex()
-    seq = step = 0
-    pending = sorted(range(len(specs)), key=lambda i: specs[i]["arrive_at_step"])
-    aborts = {}
 
-    def publish():
-        nonlocal seq
-        events = s.kv_cache_manager.take_events()
-        if events:
-            index.apply(seq, encode_batch(float(step), events))
-            seq += 1
-        assert index.keys == engine_set(s)
-
-    while pending or s.has_unfinished_requests():
-        while pending and specs[pending[0]]["arrive_at_step"] <= step:
-            i = pending.pop(0)
-            spec = specs[i]
-            s.add_request(Request(f"r{i}", spec["prompt"], spec["params"], priority=spec["priority"],
-                                  arrival_time=float(i), eos_token_id=EOS))
-            if spec["abort_at_step"] is not None:
-                aborts.setdefault(step + spec["abort_at_step"], []).append(f"r{i}")
-        s.finish_requests(aborts.pop(step, []))
+    def maybe_reset(s):
         if rnd.random() < 0.03:
             s.kv_cache_manager.reset_prefix_cache()
-        out = s.schedule()
-        s.update_from_output(out, runner.execute(out))
-        publish()
-        step += 1
-        assert step < 20_000
+
+    def publish(s, step):
+        events = s.kv_cache_manager.take_events()
+        if events:
+            index.apply(index.next_seq, encode_batch(float(step), events))
+        assert index.keys == engine_set(s)
+
+    drive(sched, cache, specs, check=False, enable_kv_events=True,
+          before_schedule=maybe_reset, after_step=publish)
     if not cache.enable_prefix_caching:
         assert index.num_batches == 0
 

@@ -55,8 +55,11 @@ def workloads(draw, allow_aborts=True):
     return sched, cache, requests
 
 
-def drive(sched, cache, specs, check=True, max_steps=20_000):
-    s = Scheduler(sched, cache)
+def drive(sched, cache, specs, check=True, max_steps=20_000, enable_kv_events=False,
+          before_schedule=None, after_step=None):
+    """Runs the workload to the end. Hooks: before_schedule(scheduler) ahead of each
+    schedule(), after_step(scheduler, step) after each update_from_output()."""
+    s = Scheduler(sched, cache, enable_kv_events=enable_kv_events)
     runner = FakeModelRunner(cache.num_kv_blocks, cache.block_size)
     finished, step = {}, 0
     pending = sorted(range(len(specs)), key=lambda i: specs[i]["arrive_at_step"])
@@ -71,10 +74,14 @@ def drive(sched, cache, specs, check=True, max_steps=20_000):
                 aborts.setdefault(step + spec["abort_at_step"], []).append(f"r{i}")
         for r in s.finish_requests(aborts.pop(step, [])):
             finished[r.request_id] = r
+        if before_schedule is not None:
+            before_schedule(s)
         out = schedule(s)[0] if check else s.schedule()
         for r in s.update_from_output(out, runner.execute(out)):
             if r.is_finished:
                 finished[r.request_id] = r
+        if after_step is not None:
+            after_step(s, step)
         step += 1
         assert step < max_steps, "no progress"
     check_drained(s)

@@ -141,6 +141,20 @@ def synthetic_prompts(trace: Trace) -> list[list[int]]:
     return prompts
 
 
+def finish_step(scheduler: Scheduler, out, results: dict[str, RequestResult], clock: float) -> None:
+    """A simulated step ends at `clock`: every sequence it completed samples a token (its
+    value is irrelevant, lengths are what the workload fixes)."""
+    sampled = {r.request_id: [0] for r in out.scheduled_requests
+               if r.num_computed_tokens >= r.num_tokens}
+    for request in scheduler.update_from_output(out, sampled):
+        result = results[request.request_id]
+        if result.first_token is None:
+            result.first_token = clock
+        result.output_len = request.num_output_tokens
+        if request.is_finished:
+            result.finish = clock
+
+
 def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = None,
            max_steps: int = 5_000_000) -> Summary:
     sched_cfg, cache_cfg = configs(trace, overrides or {})
@@ -185,15 +199,7 @@ def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = No
             clock = cancels[next_cancel][0] if next_cancel < len(cancels) else clock + 1e-3
             continue
         clock += model.predict(step_features(out))
-        sampled = {r.request_id: [0] for r in out.scheduled_requests
-                   if r.num_computed_tokens >= r.num_tokens}
-        for request in scheduler.update_from_output(out, sampled):
-            result = results[request.request_id]
-            if result.first_token is None:
-                result.first_token = clock
-            result.output_len = request.num_output_tokens
-            if request.is_finished:
-                result.finish = clock
+        finish_step(scheduler, out, results, clock)
     for rid, request in requests.items():
         result = results[rid]
         result.num_preemptions = request.num_preemptions

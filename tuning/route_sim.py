@@ -31,7 +31,7 @@ from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.trace import step_features
 from tuning.kv_index import KVEventIndex
-from tuning.replay import RequestResult, Summary, summarize
+from tuning.replay import RequestResult, Summary, finish_step, summarize
 from tuning.step_model import StepModel
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -153,15 +153,7 @@ def simulate(requests: list[SimRequest], num_replicas: int, policy: str, model: 
                 result.first_scheduled = now
         done_at = now + model.predict(step_features(out))
         replica.ready_at = done_at
-        sampled = {q.request_id: [0] for q in out.scheduled_requests
-                   if q.num_computed_tokens >= q.num_tokens}
-        for request in replica.scheduler.update_from_output(out, sampled):
-            result = results[request.request_id]
-            if result.first_token is None:
-                result.first_token = done_at
-            result.output_len = request.num_output_tokens
-            if request.is_finished:
-                result.finish = done_at
+        finish_step(replica.scheduler, out, results, done_at)
         events = replica.scheduler.kv_cache_manager.take_events()
         if events:
             heapq.heappush(deliveries, (done_at, r, replica.next_seq, encode_batch(done_at, events)))
