@@ -1,9 +1,6 @@
 """`tensor_parallel_size: 2` in a vllm_backend-style model.json on a real tritonserver:
 the Python backend's stub process is rank 0 and spawns the worker; greedy text equals
-the in-process single-rank engine's, and unloading the model stops the worker.
-
-Not yet seen passing: in the worktree it was written in, the shared server folder's stub
-imported the main checkout's `backend` package (without tensor parallelism)."""
+the in-process single-rank engine's, and unloading the model stops the worker."""
 from __future__ import annotations
 
 import json
