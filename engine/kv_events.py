@@ -178,6 +178,16 @@ class ZmqEventPublisher:
             logger.error("KV-event queue full (%d batches); dropping a batch",
                          self._config.max_queue_size)
 
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Waits until every batch handed to publish() is on the wire (and in the replay
+        buffer); False if that took longer than `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
     def _serve(self) -> None:
         import zmq
 
@@ -207,6 +217,8 @@ class ZmqEventPublisher:
                 self.next_seq = seq + 1
             except Exception:
                 logger.exception("publishing a KV-event batch failed")
+            finally:
+                self._queue.task_done()
         self._close_sockets()
 
     def _answer_replay(self) -> None:

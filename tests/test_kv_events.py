@@ -290,6 +290,7 @@ def test_zmq_publisher_sends_topic_seq_payload_and_replays_from_a_sequence():
         first_seq = int.from_bytes(received[0][1], "big")
         for events in batches:
             publisher.publish(events)
+        assert publisher.flush()
         msgs = _receive(sub, len(batches))
         topics = {m[0] for m in msgs}
         seqs = [int.from_bytes(m[1], "big") for m in msgs]
@@ -359,16 +360,15 @@ def test_real_engine_publishes_what_it_caches(tmp_path):
     from engine import LLMEngine
     from tests.tiny_model import make_tiny_model_dir
 
-    port = _free_port()
+    port, replay_port = _free_port(), _free_port()
     engine = LLMEngine(model=str(make_tiny_model_dir(tmp_path / "tiny")), dtype="float32",
                        num_kv_blocks=12, block_size=4, max_num_seqs=4, max_model_len=48,
                        prefix_caching_hash_algo="sha256_cbor",
                        kv_events_config={"enable_kv_cache_events": True,
-                                         "endpoint": f"tcp://*:{port}"})
+                                         "endpoint": f"tcp://*:{port}",
+                                         "replay_endpoint": f"tcp://*:{replay_port}"})
     try:
         sub = _subscriber(port)
-        import time
-        time.sleep(0.3)  # let the subscription reach the PUB socket
         rng = random.Random(0)
         shared = [rng.randrange(5, 90) for _ in range(8)]
         for i in range(6):
@@ -387,10 +387,19 @@ def test_real_engine_publishes_what_it_caches(tmp_path):
             engine.step()
         expected = engine_set(engine.scheduler)
         assert expected
+        # The whole history from the replay socket (a subscriber that joins late misses
+        # what PUB sent before its subscription arrived), then the live stream's part of
+        # it must be the same bytes under the same numbers.
+        assert engine.kv_events.flush()
+        replayed = _replay_all(replay_port, 0)
         index = KVEventIndex()
-        while sub.poll(1000):
+        for seq, payload in replayed:
+            index.apply(seq, payload)
+        live = {}
+        while sub.poll(500):
             seq_bytes, payload = sub.recv_multipart()[1:]
-            index.apply(int.from_bytes(seq_bytes, "big"), payload)
+            live[int.from_bytes(seq_bytes, "big")] = payload
+        assert all(dict(replayed)[seq] == payload for seq, payload in live.items())
         assert index.keys == expected
         assert preemptions > 0, "the workload was meant to preempt"
         # The index answers routing questions in the outside indexer's terms.

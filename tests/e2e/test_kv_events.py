@@ -27,22 +27,33 @@ def test_served_prompts_are_found_by_an_outside_indexer(server):
     outcomes = infer_many(server.grpc, "llm", [
         llm_inputs(p, {"temperature": 0, "max_tokens": 4}) for p in prompts])
     assert all(o.final and o.error is None for o in outcomes)
-    # Everything the model published since it loaded, other tests' requests included.
-    replayed = _replay_all(server.kv_replay_port, 0)
-    seqs = [seq for seq, _ in replayed]
-    assert seqs == list(range(len(seqs))) and seqs
-    index = KVEventIndex()
-    for seq, payload in replayed:
-        index.apply(seq, payload)
     tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
     seed = os.environ.get("PYTHONHASHSEED", "vllm-none-hash")
+    prompt_keys = []
     for prompt in prompts:
         ids = tokenizer.encode(prompt)
         keys = [int.from_bytes(h[-8:], "big")
                 for h in outside_sha256_cbor_chain(ids, BLOCK_SIZE, seed=seed)]
         # Every full block but a last one holding the final prompt token is cached
         # (the engine computes that token again to sample), plus whatever decode filled.
-        assert index.prefix_hits(keys) >= (len(ids) - 1) // BLOCK_SIZE >= 3
+        prompt_keys.append((keys, (len(ids) - 1) // BLOCK_SIZE))
+    # Everything the model published since it loaded, other tests' requests included.
+    # The publisher thread sends a step's batch a moment after the step: ask again
+    # until the last one is in.
+    deadline = time.monotonic() + 10
+    while True:
+        replayed = _replay_all(server.kv_replay_port, 0)
+        index = KVEventIndex()
+        for seq, payload in replayed:
+            index.apply(seq, payload)
+        if all(index.prefix_hits(k) >= need for k, need in prompt_keys) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    seqs = [seq for seq, _ in replayed]
+    assert seqs == list(range(len(seqs))) and seqs
+    for keys, need in prompt_keys:
+        assert index.prefix_hits(keys) >= need >= 3
     # The live stream carried the same batches, under the configured topic.
     live = {}
     while sub.poll(500):
