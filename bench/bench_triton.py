@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.bench_generate import make_workload
@@ -120,15 +121,42 @@ def through_triton(rounds: Rounds, params: dict[str, str]) -> tuple[list[float],
         ready_s = server.wait_ready(900)
         stream_all(server.grpc_url, rounds[0][0][:2], [4, 4])  # warm-up
         rates: dict[bool, list[float]] = {True: [], False: []}
+        cpu: dict[bool, list[CpuSeconds]] = {True: [], False: []}
         for texts, lengths in rounds:
             for stream in (True, False):
+                before = cpu_seconds(server.process.pid)
                 elapsed, produced = stream_all(server.grpc_url, texts, lengths, stream)
+                cpu[stream].append(cpu_seconds(server.process.pid) - before)
                 if produced != lengths:
                     raise RuntimeError("the server returned other output lengths than requested")
                 rates[stream].append(sum(lengths) / elapsed)
-        return rates[True], rates[False], ready_s
+        return rates[True], rates[False], ready_s, cpu
     finally:
         server.stop()
+
+
+@dataclass(frozen=True)
+class CpuSeconds:
+    """CPU time by process: this client, tritonserver itself, its backend stubs (the
+    engine), over a round; on a host the client shares, what the engine did not get."""
+    client: float
+    server: float
+    stubs: float
+
+    def __sub__(self, other: "CpuSeconds") -> "CpuSeconds":
+        return CpuSeconds(self.client - other.client, self.server - other.server,
+                          self.stubs - other.stubs)
+
+
+def cpu_seconds(server_pid: int) -> CpuSeconds:
+    import psutil
+
+    def used(process) -> float:
+        times = process.cpu_times()
+        return times.user + times.system
+    server = psutil.Process(server_pid)
+    stubs = sum(used(child) for child in server.children(recursive=True))
+    return CpuSeconds(time.process_time(), used(server), stubs)
 
 
 def main() -> None:
@@ -152,7 +180,7 @@ def main() -> None:
         w = make_workload(args.workload, tok, seed=seed)
         rounds.append(([tok.decode(p) for p in w.prompts], w.max_tokens))
     inproc = in_process(rounds, engine_args)
-    streaming, whole, ready_s = through_triton(rounds, params)
+    streaming, whole, ready_s, cpu = through_triton(rounds, params)
     print(f"\n{args.workload} workload, {args.repeat} rounds of {len(rounds[0][0])} requests "
           f"({sum(rounds[0][1])} output tokens in round 0); best round, then all rounds; "
           f"CPU {cpu_features.detect().describe()}; stream_interval {args.stream_interval}, "
@@ -163,6 +191,11 @@ def main() -> None:
         share = "" if rates is inproc else f"  ({max(rates) / best:.0%} of in-process)"
         print(f"{label:<28}{max(rates):>8.1f} tok/s{share:<26}  [{', '.join(f'{r:.0f}' for r in rates)}]")
     print(f"server start to ready: {ready_s:.1f} s")
+    for stream, label in ((True, "streaming"), (False, "one response")):
+        best_round = max(range(len(rounds)), key=lambda r: (streaming if stream else whole)[r])
+        used = cpu[stream][best_round]
+        print(f"CPU seconds in that round, {label}: client {used.client:.1f}, tritonserver "
+              f"{used.server:.1f}, engine stub {used.stubs:.1f}")
 
 
 if __name__ == "__main__":
