@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from engine.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                     external_hash)
-from engine.values import to_bool, to_int, to_str
+from engine.values import convert
 
 logger = logging.getLogger(__name__)
 
@@ -87,16 +87,8 @@ class KVEventsConfig:
         unknown = sorted(set(value) - set(known))
         if unknown:
             raise ValueError(f"{name}: unknown field(s) {unknown}; known: {sorted(known)}")
-        typed: dict[str, Any] = {}
-        for key, raw in value.items():
-            where = f"{name}.{key}"
-            if key == "enable_kv_cache_events":
-                typed[key] = to_bool(where, raw)
-            elif key in ("buffer_steps", "hwm", "max_queue_size"):
-                typed[key] = to_int(where, raw)
-            else:
-                typed[key] = None if raw is None else to_str(where, raw)
-        return cls(**typed)
+        return cls(**{key: convert(f"{name}.{key}", raw, str(known[key].type))
+                      for key, raw in value.items()})
 
 
 def _offset_endpoint(endpoint: str, rank: int) -> str:

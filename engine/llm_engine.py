@@ -88,9 +88,10 @@ class LLMEngine:
                                       seed=self.config.seed,
                                       inject_failure_at_step=self.config.inject_failure_at_step,
                                       send_step=send_step)
-            kv_events = self.config.kv_events_config
+            self.kv_events = make_publisher(self.config.kv_events_config,
+                                            self.config.data_parallel_rank)
             self.scheduler = Scheduler(sched_cfg, cache_cfg,
-                                       enable_kv_events=kv_events is not None and kv_events.active)
+                                       enable_kv_events=self.kv_events is not None)
             warm_start = time.perf_counter()
             self.runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                                 sched_cfg.max_model_len)
@@ -114,9 +115,6 @@ class LLMEngine:
         self._tracked: dict[str, _Tracked] = {}
         self._parallel = ParallelSampling()
         self.trace = self._open_trace(self.config, loaded)
-        # Last: binding its sockets is what fails when another process holds the port.
-        self.kv_events = make_publisher(self.config.kv_events_config,
-                                        self.config.data_parallel_rank)
         if self.kv_events is not None and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
                            "indexer cannot recompute these keys from tokens; use sha256_cbor")

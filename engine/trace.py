@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.kv_cache import BlockHasher, external_hash, update_block_hashes
+from engine.kv_cache import BlockHasher, external_hash
 from engine.request import Request
 from engine.scheduler import SchedulerOutput
 
@@ -33,9 +33,10 @@ def prompt_block_hashes(request: Request, block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks (what prefix caching keys on), as the
     64-bit integers KV events carry, so any hash algorithm writes JSON numbers."""
     count = request.num_prompt_tokens // block_size
-    if len(request.block_hashes) < count:  # prefix caching off: nothing hashed them
-        update_block_hashes(request, block_size, _FALLBACK_HASHER)
-    return [external_hash(h) if isinstance(h, bytes) else h for h in request.block_hashes[:count]]
+    hashes = request.block_hashes[:count]
+    if len(hashes) < count:  # prefix caching off: nothing hashed them
+        hashes = _FALLBACK_HASHER.chain(request.prompt_token_ids, block_size, request.cache_salt)
+    return [external_hash(h) if isinstance(h, bytes) else h for h in hashes]
 
 
 def step_features(out: SchedulerOutput) -> dict[str, int]:

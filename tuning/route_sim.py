@@ -69,11 +69,7 @@ class Router:
         self.count = 0
 
     def prompt_keys(self, prompt: list[int]) -> list[int | bytes]:
-        keys, parent, bs = [], None, self.block_size
-        for i in range(len(prompt) // bs):
-            parent = self.hasher.hash_block(parent, tuple(prompt[i * bs:(i + 1) * bs]))
-            keys.append(external_hash(parent))
-        return keys
+        return [external_hash(h) for h in self.hasher.chain(prompt, self.block_size)]
 
     def pick(self, prompt: list[int]) -> int:
         self.count += 1

@@ -53,12 +53,26 @@ class BlockHasher:
         parent = self.none_hash if parent_hash is None else parent_hash
         return self._fn((parent, token_ids, extra_keys))
 
+    def chain(self, token_ids: list[int], block_size: int, cache_salt: str | None = None,
+              start: int = 0, stop: int | None = None,
+              parent_hash: BlockHash | None = None) -> list[BlockHash]:
+        """Hashes of full blocks start..stop-1 of `token_ids` (default: every full block),
+        chained on from `parent_hash`, the hash of block start - 1."""
+        if stop is None:
+            stop = len(token_ids) // block_size
+        hashes, parent = [], parent_hash
+        for i in range(start, stop):
+            parent = self.hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]),
+                                     block_extra_keys(cache_salt, i))
+            hashes.append(parent)
+        return hashes
 
-def block_extra_keys(request: Request, block_index: int) -> tuple | None:
+
+def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
     """vLLM's form: the salt, tagged, on the first block only (a salted prompt's later
     blocks differ through the chain)."""
-    if block_index == 0 and request.cache_salt:
-        return (("cache_salt", request.cache_salt),)
+    if block_index == 0 and cache_salt:
+        return (("cache_salt", cache_salt),)
     return None
 
 
@@ -67,10 +81,7 @@ def update_block_hashes(request: Request, block_size: int, hasher: BlockHasher) 
     hashes = request.block_hashes
     num_full = request.num_tokens // block_size
     if len(hashes) < num_full:
-        tokens = request.all_token_ids
-        parent = hashes[-1] if hashes else None
-        for i in range(len(hashes), num_full):
-            parent = hasher.hash_block(parent, tuple(tokens[i * block_size:(i + 1) * block_size]),
-                                       block_extra_keys(request, i))
-            hashes.append(parent)
+        hashes.extend(hasher.chain(request.all_token_ids, block_size, request.cache_salt,
+                                   start=len(hashes), stop=num_full,
+                                   parent_hash=hashes[-1] if hashes else None))
     return hashes
