@@ -155,45 +155,44 @@ def test_events_rebuild_the_cached_set_after_any_workload(workload, algo, rnd):
         assert index.num_batches == 0
 
 
-# vLLM 0.32's message types (vllm/distributed/kv_events.py), restated from their published
-# definitions: the batch is array-like, events are maps tagged by "type" with defaulted
-# fields omitted. Decoding our bytes with them is the wire-compatibility check.
-msgspec = pytest.importorskip("msgspec")
+def _vllm_message_types():
+    """vLLM 0.32's message types (vllm/distributed/kv_events.py), restated from their
+    published definitions: the batch is array-like, events are maps tagged by "type" with
+    defaulted fields omitted. Decoding our bytes with them is the wire-compatibility check."""
+    msgspec = pytest.importorskip("msgspec", reason="msgspec is not installed (pip install -e '.[test]')")
 
+    class Event(msgspec.Struct, omit_defaults=True, tag=True):
+        pass
 
-class _Event(msgspec.Struct, omit_defaults=True, tag=True):
-    pass
+    class BlockStored(Event):
+        block_hashes: list[int | bytes]
+        parent_block_hash: int | bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list | None = None
+        group_idx: int | None = None
 
+    class BlockRemoved(Event):
+        block_hashes: list[int | bytes]
+        medium: str | None
+        group_idx: int | None = None
 
-class BlockStored(_Event):
-    block_hashes: list[int | bytes]
-    parent_block_hash: int | bytes | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list | None = None
-    group_idx: int | None = None
+    class AllBlocksCleared(Event):
+        pass
 
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
+        ts: float
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+        data_parallel_rank: int | None = None
 
-class BlockRemoved(_Event):
-    block_hashes: list[int | bytes]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(_Event):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
+    return msgspec.msgpack.Decoder(KVEventBatch), BlockStored
 
 
 def test_payload_decodes_with_vllms_message_types():
+    decoder, BlockStored = _vllm_message_types()
     s = _scheduler(num_blocks=6, max_num_seqs=2)
     runner = FakeModelRunner(6, 4)
     params = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -202,7 +201,7 @@ def test_payload_decodes_with_vllms_message_types():
     _run(s, runner)
     s.kv_cache_manager.reset_prefix_cache()
     events = s.kv_cache_manager.take_events()
-    batch = msgspec.msgpack.Decoder(KVEventBatch).decode(encode_batch(12.5, events))
+    batch = decoder.decode(encode_batch(12.5, events))
     assert batch.ts == 12.5 and batch.data_parallel_rank == 0
     kinds = [type(e).__name__ for e in batch.events]
     assert {"BlockStored", "BlockRemoved"} <= set(kinds) and kinds[-1] == "AllBlocksCleared"

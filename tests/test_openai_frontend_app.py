@@ -12,7 +12,7 @@ import requests
 from backend.triton_server import free_port
 from openai_frontend.__main__ import DEFAULT_PORT, parse_args
 
-uvicorn = pytest.importorskip("uvicorn")
+uvicorn = pytest.importorskip("uvicorn", reason="uvicorn is not installed (pip install -e '.[serve]')")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from backend.triton_server import REPO_ROOT, free_port
 from tests.e2e.shared import PROMPTS
 from tests.e2e.triton_clients import infer_one, llm_inputs, scrape_metrics
 
-openai = pytest.importorskip("openai")
+openai = pytest.importorskip("openai", reason="openai is not installed (pip install -e '.[test]')")
 
 pytestmark = pytest.mark.slow
 
