@@ -25,7 +25,7 @@ from typing import Any, Mapping
 
 from engine.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                     external_hash)
-from engine.values import convert
+from engine.values import NULL_WORDS, convert
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class KVEventsConfig:
         if value is None or isinstance(value, KVEventsConfig):
             return value
         if isinstance(value, str):
-            if value.strip().lower() in ("", "none", "null"):
+            if value.strip().lower() in NULL_WORDS:
                 return None
             try:
                 value = json.loads(value)
