@@ -9,6 +9,8 @@ prints batch and single-stream output tokens/s for every peer, with engine/peer 
                                                                            # alternated --rounds times
   python -m bench.bench_generate --llamacpp-python /tmp/llama-venv/bin/python  # + llama.cpp
         # (bench/llamacpp_peer.py): the GGUF dequantized to the engine's dtype, and as shipped
+  python -m bench.bench_generate --compare quantization=gguf  # + the engine with one argument
+        # changed, in this process, alternated with the others like a peer
 
 Workloads (greedy, ignore_eos so lengths are exact):
   fixed     64 prompts (32-64 tokens) x 128 new tokens  (the peers' workload, DESIGN.md 8)
@@ -123,6 +125,13 @@ def single_stream(llm: LLM, prompt: list[int], n: int = 128, repeat: int = 1) ->
     return n / best
 
 
+def run_variant(llm: LLM, w: Workload, single_prompt: list[int], repeat: int) -> dict:
+    """The engine with other arguments (--compare), in this process, reported as a peer."""
+    batch, ids = run_engine(llm, w, repeat)
+    return {"batch_tok_s": batch, "single_tok_s": single_stream(llm, single_prompt, 128, repeat),
+            "greedy_token_ids_first_prompt": ids}
+
+
 def run_peer(python: str, script: str, w: Workload, args: list[str], env: dict | None = None) -> dict:
     """Run bench/<script> in a peer's venv on w's prompts and lengths; its last stdout
     line is its JSON result."""
@@ -206,6 +215,10 @@ def main() -> None:
     ap.add_argument("--llamacpp-threads", type=int, default=0,
                     help="llama.cpp's n_threads (default: every usable CPU; the engine adapts its "
                          "own count to busy neighbours, llama.cpp does not)")
+    ap.add_argument("--compare", action="append", default=[], metavar="NAME=VALUE",
+                    help="also run the engine with this argument changed (repeatable), as a peer "
+                         "alternated with the rest: e.g. quantization=gguf, or quantization=none "
+                         "beside --quantization gguf")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the engine and the peers; best counts")
     ap.add_argument("--rounds", type=int, default=2,
                     help="alternations engine, peers, engine, ...: the host's speed drifts over "
@@ -213,8 +226,9 @@ def main() -> None:
     args = ap.parse_args()
 
     extra = {"quantization": args.quantization} if args.quantization else {}
-    llm = LLM(None, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, **extra)
+    engine_args = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, **extra)
+    llm = LLM(None, **engine_args)
     tok = llm.get_tokenizer()
     dtype = str(llm.llm_engine.loaded.dtype).removeprefix("torch.")  # what "auto" chose
     hf = None
@@ -224,8 +238,17 @@ def main() -> None:
                                                   torch_dtype=getattr(torch, dtype)).eval()
         hf.generation_config.eos_token_id = None
 
+    names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
+    single_prompt = make_workload(names[0], tok).prompts[0]  # "single" column: 128 tokens after it
     # Peers run in their own venvs, alternated with the engine once per round.
     peers = []  # (label prefix, run(workload) -> result dict)
+    for change in args.compare:
+        arg, _, value = change.partition("=")
+        if not value:
+            ap.error(f"--compare takes NAME=VALUE, got {change!r}")
+        variant = LLM(None, **{**engine_args, "dtype": dtype, arg: value})
+        peers.append((f"engine, {change}", partial(run_variant, variant, single_prompt=single_prompt,
+                                                   repeat=args.repeat)))
     if args.vllm_python:
         peers.append(("vLLM CPU", partial(run_vllm, args.vllm_python, model_dir=default_model_dir(),
                                           repeat=args.repeat, dtype=dtype)))
@@ -237,8 +260,6 @@ def main() -> None:
                 convert=same if which == "same" else None, repeat=args.repeat,
                 batch_count=args.llamacpp_batch_count, threads=args.llamacpp_threads)))
 
-    names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
-    single_prompt = make_workload(names[0], tok).prompts[0]  # "single" column: 128 tokens after it
     figs: dict[str, dict[str, float]] = {"engine": {}}  # label -> column -> best tok/s
     notes: dict[str, str] = {}
     greedy: dict[str, list[int]] = {}  # label -> first prompt's greedy ids (first workload)
