@@ -9,19 +9,20 @@ max_num_seqs 64, max_model_len 2048); the in-process engine gets the same argume
 --stream-interval sets the model's stream_interval (output tokens per streamed response;
 1, the default, sends every step's text); --quantization is set on both sides.
 Every request asks for exactly its output length (min_tokens = max_tokens, ignore_eos).
-Round r of each side uses the workload drawn with seed r, so no round hits the prefix
-cache of an earlier one; each side reports its best round (the host's speed drifts
-by +-20% between minutes, and the first round also pays oneDNN's kernel creation).
+Round r runs the three sides (in-process, streaming, one response) in a rotating order on
+the workload drawn with seed r, each prompt led by a digit of the side's own, so no run
+hits the prefix cache of another; each side reports its best round (the host's speed
+drifts by +-20% between minutes) and each round's ratio to in-process is printed too.
 """
 from __future__ import annotations
 
 import argparse
-import gc
 import shutil
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from bench.bench_generate import make_workload
@@ -36,21 +37,21 @@ REPO = Path(__file__).resolve().parent.parent / "model_repository"
 Rounds = list[tuple[list[str], list[int]]]  # (prompts, output lengths) per round
 
 
-def in_process(rounds: Rounds, engine_args: dict[str, str]) -> list[float]:
-    llm = LLM(None, max_num_seqs=64, max_model_len=2048, **engine_args)  # dtype auto, as the server
-    llm.generate(rounds[0][0][:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
-    rates = []
-    for texts, lengths in rounds:
+class InProcess:
+    """The in-process side: one LLM, built once, timed one round at a time."""
+
+    def __init__(self, engine_args: dict[str, str], warm_up: list[str]) -> None:
+        self.llm = LLM(None, max_num_seqs=64, max_model_len=2048, **engine_args)  # dtype auto, as the server
+        self.llm.generate(warm_up, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+
+    def rate(self, texts: list[str], lengths: list[int]) -> float:
         params = [SamplingParams(temperature=0, max_tokens=n, min_tokens=n, ignore_eos=True)
                   for n in lengths]
         t0 = time.perf_counter()
-        outs = llm.generate(texts, params, use_tqdm=False)
+        outs = self.llm.generate(texts, params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
         assert [len(o.outputs[0].token_ids) for o in outs] == lengths
-        rates.append(sum(lengths) / elapsed)
-    del llm, outs
-    gc.collect()
-    return rates
+        return sum(lengths) / elapsed
 
 
 def stream_all(url: str, texts: list[str], lengths: list[int],
@@ -109,28 +110,49 @@ def repository_with(params: dict[str, str], work: Path) -> Path:
     return repo
 
 
-def through_triton(rounds: Rounds, params: dict[str, str]) -> tuple[list[float], list[float], float]:
-    """(streaming tok/s per round, non-streaming tok/s per round, seconds from start to ready)"""
+SIDES = {None: "in-process LLM.generate", True: "Triton gRPC, streaming", False: "Triton gRPC, one response"}
+
+
+@dataclass
+class Results:
+    ready_s: float
+    rates: dict[str, list[float]] = field(default_factory=lambda: {side: [] for side in SIDES.values()})
+    cpu: dict[str, list["CpuSeconds"]] = field(default_factory=lambda: {SIDES[True]: [], SIDES[False]: []})
+
+
+def alternated(rounds: Rounds, engine_args: dict[str, str], params: dict[str, str]) -> Results:
+    """Round r runs in-process, streaming and one response on the workload of seed r, the
+    three in a rotating order, so no side gets all of the host's slow minutes. The server
+    is up (and idle) while in-process runs, and the in-process engine idle while the
+    server works."""
     from backend.triton_server import ServerPorts, TritonServer
     work = Path(tempfile.mkdtemp(prefix="bench-triton-"))
-    log = work / "server.log"
-    server = TritonServer(repository_with(params, work), ServerPorts.free(), log_path=log,
+    server = TritonServer(repository_with(params, work), ServerPorts.free(), log_path=work / "server.log",
                           extra_args=["--model-control-mode=explicit", "--load-model=llm"])
     server.start()
     try:
-        ready_s = server.wait_ready(900)
+        results = Results(ready_s=server.wait_ready(900))
         stream_all(server.grpc_url, rounds[0][0][:2], [4, 4])  # warm-up
-        rates: dict[bool, list[float]] = {True: [], False: []}
-        cpu: dict[bool, list[CpuSeconds]] = {True: [], False: []}
-        for texts, lengths in rounds:
-            for stream in (True, False):
-                before = cpu_seconds(server.process.pid)
-                elapsed, produced = stream_all(server.grpc_url, texts, lengths, stream)
-                cpu[stream].append(cpu_seconds(server.process.pid) - before)
-                if produced != lengths:
-                    raise RuntimeError("the server returned other output lengths than requested")
-                rates[stream].append(sum(lengths) / elapsed)
-        return rates[True], rates[False], ready_s, cpu
+        local = InProcess(engine_args, rounds[0][0][:2])
+
+        def via_triton(stream: bool, texts: list[str], lengths: list[int]) -> float:
+            before = cpu_seconds(server.process.pid)
+            elapsed, produced = stream_all(server.grpc_url, texts, lengths, stream)
+            results.cpu[SIDES[stream]].append(cpu_seconds(server.process.pid) - before)
+            if produced != lengths:
+                raise RuntimeError("the server returned other output lengths than requested")
+            return sum(lengths) / elapsed
+
+        runs = {SIDES[None]: local.rate, SIDES[True]: partial(via_triton, True),
+                SIDES[False]: partial(via_triton, False)}
+        for r, (texts, lengths) in enumerate(rounds):
+            order = list(runs)[r % 3:] + list(runs)[:r % 3]
+            for side in order:
+                # A digit of its own in front (one token) keeps the server's second side
+                # of a round from hitting the prefix cache its first side filled.
+                tag = list(runs).index(side)
+                results.rates[side].append(runs[side]([f"{tag} {t}" for t in texts], lengths))
+        return results
     finally:
         server.stop()
 
@@ -179,24 +201,25 @@ def main() -> None:
     for seed in range(args.repeat):
         w = make_workload(args.workload, tok, seed=seed)
         rounds.append(([tok.decode(p) for p in w.prompts], w.max_tokens))
-    inproc = in_process(rounds, engine_args)
-    streaming, whole, ready_s, cpu = through_triton(rounds, params)
+    results = alternated(rounds, engine_args, params)
     print(f"\n{args.workload} workload, {args.repeat} rounds of {len(rounds[0][0])} requests "
-          f"({sum(rounds[0][1])} output tokens in round 0); best round, then all rounds; "
-          f"CPU {cpu_features.detect().describe()}; stream_interval {args.stream_interval}, "
-          f"quantization {args.quantization}")
-    best = max(inproc)
-    for label, rates in (("in-process LLM.generate", inproc), ("Triton gRPC, streaming", streaming),
-                         ("Triton gRPC, one response", whole)):
-        share = "" if rates is inproc else f"  ({max(rates) / best:.0%} of in-process)"
+          f"({sum(rounds[0][1])} output tokens in round 0), the sides alternated in each round; "
+          f"best round, then all rounds; CPU {cpu_features.detect().describe()}; stream_interval "
+          f"{args.stream_interval}, quantization {args.quantization}")
+    inproc = results.rates[SIDES[None]]
+    for label, rates in results.rates.items():
+        share = "" if rates is inproc else f"  ({max(rates) / max(inproc):.0%} of in-process)"
         print(f"{label:<28}{max(rates):>8.1f} tok/s{share:<26}  [{', '.join(f'{r:.0f}' for r in rates)}]")
-    print(f"server start to ready: {ready_s:.1f} s")
-    for stream, label in ((True, "streaming"), (False, "one response")):
-        best_round = max(range(len(rounds)), key=lambda r: (streaming if stream else whole)[r])
-        used = cpu[stream][best_round]
-        print(f"CPU seconds in that round, {label}: client {used.client:.1f}, tritonserver "
-              f"{used.server:.1f}, engine stub {used.stubs:.1f}")
-
+    print("same round, Triton / in-process: " + "; ".join(
+        f"{label.removeprefix('Triton gRPC, ')} "
+        + ", ".join(f"{t / i:.0%}" for t, i in zip(results.rates[label], inproc))
+        for label in (SIDES[True], SIDES[False])))
+    print(f"server start to ready: {results.ready_s:.1f} s")
+    for side in (SIDES[True], SIDES[False]):
+        rates = results.rates[side]
+        used = results.cpu[side][max(range(len(rates)), key=rates.__getitem__)]
+        print(f"CPU seconds in its best round, {side.removeprefix('Triton gRPC, ')}: client "
+              f"{used.client:.1f}, tritonserver {used.server:.1f}, engine stub {used.stubs:.1f}")
 
 if __name__ == "__main__":
     main()
