@@ -221,5 +221,6 @@ def main() -> None:
         print(f"CPU seconds in its best round, {side.removeprefix('Triton gRPC, ')}: client "
               f"{used.client:.1f}, tritonserver {used.server:.1f}, engine stub {used.stubs:.1f}")
 
+
 if __name__ == "__main__":
     main()
