@@ -11,7 +11,6 @@ cores than ranks x threads, ranks also take cores from each other."""
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import tempfile
@@ -21,16 +20,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
+from kernels import cpu_features  # noqa: E402
 
 SMOLLM2_SIZED = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                      tie_word_embeddings=True)
-
-
-def host_isa() -> str:
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    found = sorted(set(re.findall(r"avx512[a-z_0-9]*|amx[a-z_]*|avx2", text)))
-    return " ".join(found) or "unknown"
 
 
 def time_steps(model: str, tp: int, batch: int, prompt_len: int, steps: int) -> dict[str, float]:
@@ -77,9 +71,7 @@ def main() -> None:
         from tests.tiny_model import make_tiny_model_dir
         model = str(make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="bench-tp-")), "llama",
                                         **SMOLLM2_SIZED))
-    print(f"host ISA: {host_isa()}")
-    import os
-    print(f"CPUs usable: {len(os.sched_getaffinity(0))}; model: {args.model or 'random SmolLM2-sized'}"
+    print(f"CPU {cpu_features.detect().describe()}; model: {args.model or 'random SmolLM2-sized'}"
           f"; fp32; decode batch {args.batch}, prefill {args.prompt_len} tokens")
     results = {tp: time_steps(model, tp, args.batch, args.prompt_len, args.steps)
                for tp in (1, args.tp)}
