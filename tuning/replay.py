@@ -141,6 +141,14 @@ def synthetic_prompts(trace: Trace) -> list[list[int]]:
     return prompts
 
 
+def start_step(out, results: dict[str, RequestResult], clock: float) -> None:
+    """A simulated step starts at `clock`: its requests that never ran before start now."""
+    for request in out.scheduled_requests:
+        result = results[request.request_id]
+        if result.first_scheduled is None:
+            result.first_scheduled = clock
+
+
 def finish_step(scheduler: Scheduler, out, results: dict[str, RequestResult], clock: float) -> None:
     """A simulated step ends at `clock`: every sequence it completed samples a token (its
     value is irrelevant, lengths are what the workload fixes)."""
@@ -153,6 +161,13 @@ def finish_step(scheduler: Scheduler, out, results: dict[str, RequestResult], cl
         result.output_len = request.num_output_tokens
         if request.is_finished:
             result.finish = clock
+
+
+def record_request_counts(requests: dict[str, Request], results: dict[str, RequestResult]) -> None:
+    """The per-request counters the scheduler kept, once the simulation is over."""
+    for rid, request in requests.items():
+        results[rid].num_preemptions = request.num_preemptions
+        results[rid].num_cached_tokens = max(request.num_cached_tokens, 0)
 
 
 def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = None,
@@ -191,19 +206,13 @@ def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = No
         steps += 1
         if steps > max_steps:
             raise RuntimeError(f"replay made no progress in {max_steps} steps")
-        for request in out.scheduled_requests:
-            result = results[request.request_id]
-            if result.first_scheduled is None:
-                result.first_scheduled = clock
+        start_step(out, results, clock)
         if not out.scheduled_requests:  # nothing fits until something is cancelled
             clock = cancels[next_cancel][0] if next_cancel < len(cancels) else clock + 1e-3
             continue
         clock += model.predict(step_features(out))
         finish_step(scheduler, out, results, clock)
-    for rid, request in requests.items():
-        result = results[rid]
-        result.num_preemptions = request.num_preemptions
-        result.num_cached_tokens = max(request.num_cached_tokens, 0)
+    record_request_counts(requests, results)
     summary = summarize(list(results.values()), steps)
     summary.extra["sim_seconds"] = clock
     summary.extra["per_request"] = results

@@ -31,7 +31,8 @@ from engine.request import Request, SamplingParams
 from engine.scheduler import Scheduler
 from engine.trace import step_features
 from tuning.kv_index import KVEventIndex
-from tuning.replay import RequestResult, Summary, finish_step, summarize
+from tuning.replay import (RequestResult, Summary, finish_step, record_request_counts,
+                           start_step, summarize)
 from tuning.step_model import StepModel
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -143,10 +144,7 @@ def simulate(requests: list[SimRequest], num_replicas: int, policy: str, model: 
             replica.ready_at = now + 1e-3
             continue
         steps += 1
-        for request in out.scheduled_requests:
-            result = results[request.request_id]
-            if result.first_scheduled is None:
-                result.first_scheduled = now
+        start_step(out, results, now)
         done_at = now + model.predict(step_features(out))
         replica.ready_at = done_at
         finish_step(replica.scheduler, out, results, done_at)
@@ -154,9 +152,7 @@ def simulate(requests: list[SimRequest], num_replicas: int, policy: str, model: 
         if events:
             heapq.heappush(deliveries, (done_at, r, replica.next_seq, encode_batch(done_at, events)))
             replica.next_seq += 1
-    for rid, request in tracked.items():
-        results[rid].num_preemptions = request.num_preemptions
-        results[rid].num_cached_tokens = max(request.num_cached_tokens, 0)
+    record_request_counts(tracked, results)
     summary = summarize(list(results.values()), steps)
     summary.extra["requests_per_replica"] = assigned
     return summary
