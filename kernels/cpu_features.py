@@ -8,6 +8,10 @@ a lesser CPU on a better one: the cap also reaches oneDNN (`ONEDNN_MAX_CPU_ISA`)
 (`MKL_ENABLE_INSTRUCTIONS`) and torch's own vector kernels (`ATEN_CPU_CAPABILITY`), which
 read those variables once, at their first use, so `detect()` must run before the first
 tensor op (the engine calls it before it loads a model, the tests on import).
+
+A capped process's children inherit those variables. `TLE_CPU_ISA_SET` names the ones a
+cap set, so a child with another cap (or none) replaces them, while a variable the user
+set is never touched.
 """
 from __future__ import annotations
 
@@ -35,6 +39,10 @@ _MKL_INSTRUCTIONS = {"baseline": "SSE4_2", "avx2": "AVX2", "avx512": "AVX512",
                      "avx512_bf16": "AVX512"}
 _ATEN_CAPABILITY = {"baseline": "default", "avx2": "avx2", "avx512": "avx512",
                     "avx512_bf16": "avx512", "amx": "avx512"}
+# The libraries' own variables a cap sets, each with its value per level.
+CAP_VARIABLES = {"ONEDNN_MAX_CPU_ISA": _ONEDNN_ISA, "ATEN_CPU_CAPABILITY": _ATEN_CAPABILITY,
+                 "MKL_ENABLE_INSTRUCTIONS": _MKL_INSTRUCTIONS}
+CAP_MARK_ENV = "TLE_CPU_ISA_SET"
 # gcc's micro-architecture levels (gcc >= 11) for a capped build; -mtune keeps scheduling
 # tuned to the real core.
 _MARCH = {"baseline": ["-march=x86-64"], "avx2": ["-march=x86-64-v3"],
@@ -162,14 +170,29 @@ def detect() -> CpuFeatures:
         return CpuFeatures(machine, flags, machine, machine, usable_cpus())
     detected = _x86_level(flags)
     isa = detected
-    if cap:
-        if cap not in X86_LEVELS:
-            raise ValueError(f"{ISA_ENV}={cap!r}: expected one of {', '.join(X86_LEVELS)}")
-        if X86_LEVELS.index(cap) < X86_LEVELS.index(detected):
-            isa = cap
-            flags = frozenset(f for f in flags if _allowed(f, isa))
-            # Only where the user has not chosen already: their setting wins.
-            os.environ.setdefault("ONEDNN_MAX_CPU_ISA", _ONEDNN_ISA[isa])
-            os.environ.setdefault("ATEN_CPU_CAPABILITY", _ATEN_CAPABILITY[isa])
-            os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", _MKL_INSTRUCTIONS[isa])
+    if cap and cap not in X86_LEVELS:
+        raise ValueError(f"{ISA_ENV}={cap!r}: expected one of {', '.join(X86_LEVELS)}")
+    _drop_inherited_cap_variables()
+    if cap and X86_LEVELS.index(cap) < X86_LEVELS.index(detected):
+        isa = cap
+        flags = frozenset(f for f in flags if _allowed(f, isa))
+        _set_cap_variables(isa)
     return CpuFeatures(machine, flags, isa, detected, usable_cpus())
+
+
+def _drop_inherited_cap_variables() -> None:
+    """A parent's cap is not this process's: forget what it set (and only that)."""
+    for name in os.environ.pop(CAP_MARK_ENV, "").split(","):
+        if name in CAP_VARIABLES:
+            os.environ.pop(name, None)
+
+
+def _set_cap_variables(isa: str) -> None:
+    # Only where the user has not chosen already: their setting wins.
+    set_here = []
+    for name, per_level in CAP_VARIABLES.items():
+        if name not in os.environ and isa in per_level:
+            os.environ[name] = per_level[isa]
+            set_here.append(name)
+    if set_here:
+        os.environ[CAP_MARK_ENV] = ",".join(set_here)

@@ -14,12 +14,13 @@ from engine.cpu_threads import ThreadGovernor, read_cpu_busy, read_self_ticks
 from kernels import cpu_features
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# What a cap leaves in the environment (this process's own, under a capped test pass).
+_CAP_STATE = {cpu_features.ISA_ENV, cpu_features.CAP_MARK_ENV, *cpu_features.CAP_VARIABLES}
 
 
 def _child(code: str, **env: str) -> dict:
     """Run `code` (which prints one JSON line last) in a fresh interpreter."""
-    full_env = {k: v for k, v in os.environ.items()
-                if k not in ("TLE_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")}
+    full_env = {k: v for k, v in os.environ.items() if k not in _CAP_STATE}
     full_env.update(env)
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=full_env,
                          capture_output=True, text=True, timeout=300)
@@ -72,6 +73,39 @@ def test_cap_reaches_onednn_torch_and_the_native_build():
     assert not got["bf16"] and not got["prepack"]
     if got["native"]:  # a host without a C compiler runs the torch path
         assert got["err"] < 1e-4
+
+
+_SHOW_CAP_VARIABLES = """
+    import json, os
+    from kernels import cpu_features
+    f = cpu_features.detect()
+    print(json.dumps({"isa": f.isa, **{k: os.environ.get(k) for k in cpu_features.CAP_VARIABLES}}))
+    """
+
+
+@pytest.mark.skipif(not cpu_features.detect().is_x86 or cpu_features.detect().detected_isa == "baseline",
+                    reason="needs an x86 CPU above the SSE baseline to cap")
+def test_a_child_replaces_the_variables_its_parents_cap_set_and_keeps_the_users():
+    """scripts/test.sh's capped pass runs pytest under TLE_CPU_ISA=avx2, whose variables
+    the test children inherit; a child capped elsewhere must not read them as the user's."""
+    parent = _child("""
+        import json, os
+        from kernels import cpu_features
+        cpu_features.detect()
+        print(json.dumps(dict(os.environ)))
+        """, TLE_CPU_ISA="baseline")
+    assert parent[cpu_features.CAP_MARK_ENV] and parent["MKL_ENABLE_INSTRUCTIONS"] == "SSE4_2"
+    inherited = {k: parent[k] for k in _CAP_STATE if k in parent}
+    # As the capped pass leaves them on an AVX-512 host: another level's values, marked.
+    inherited.update(MKL_ENABLE_INSTRUCTIONS="AVX2", ONEDNN_MAX_CPU_ISA="AVX2")
+    uncapped = _child(_SHOW_CAP_VARIABLES, **{**inherited, "TLE_CPU_ISA": ""})
+    assert uncapped == {"isa": cpu_features.detect().detected_isa,
+                        **dict.fromkeys(cpu_features.CAP_VARIABLES)}
+    recapped = _child(_SHOW_CAP_VARIABLES, **inherited)
+    assert recapped == {"isa": "baseline", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                        "ATEN_CPU_CAPABILITY": "default", "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}
+    users_own = _child(_SHOW_CAP_VARIABLES, TLE_CPU_ISA="baseline", MKL_ENABLE_INSTRUCTIONS="AVX")
+    assert users_own["MKL_ENABLE_INSTRUCTIONS"] == "AVX" and users_own["ONEDNN_MAX_CPU_ISA"] == "SSE41"
 
 
 def test_cap_above_the_cpu_changes_nothing_and_bad_caps_are_named():
