@@ -7,7 +7,8 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.metrics import StepMetrics
-from engine.request import RequestOutput, SamplingParams
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

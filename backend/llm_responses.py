@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 
 from backend.request_parsing import LLMRequest
-from engine.request import RequestOutput
+from engine.outputs import RequestOutput
 
 
 @dataclass(slots=True)

@@ -14,8 +14,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from engine.request import SamplingParams
-from engine.structured_output import GrammarCompiler, StructuredOutputsParams
+from engine.sampling_params import SamplingParams
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output.grammar import GrammarCompiler
 from engine.values import convert
 
 

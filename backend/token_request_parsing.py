@@ -11,7 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend.request_parsing import InvalidRequest, parse_priority, scalar, to_bool
-from engine.request import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)

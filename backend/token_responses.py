@@ -16,8 +16,8 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.token_request_parsing import TokenRequest
-from engine.detokenizer import CONTEXT_TOKENS
-from engine.request import RequestOutput
+from engine.output.detokenizer import CONTEXT_TOKENS
+from engine.outputs import RequestOutput
 
 
 def decode_ids(tokenizer: Any, ids: list[int]) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
 from client_examples import bench_serving
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 
 
 def load_run(url: str, seed: int, out: Path) -> dict:

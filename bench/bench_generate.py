@@ -36,7 +36,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
 from engine.models.gguf_cache import default_gguf_path
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 
 WORDS = ("time person year way day thing man world life hand part child eye woman place work "
          "week case point government company number group problem fact be have do say get make "

@@ -23,7 +23,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
 from engine.models.gguf_cache import default_gguf_path
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 from tests.test_models_support import PagedBatchBuilder
 
 MAX_TOKENS = 32

@@ -14,7 +14,7 @@ import sys
 import time
 
 from engine import LLM, SamplingParams
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 
 
 def run(llm: LLM, prompts: list[str], tokens: int) -> float:

@@ -8,8 +8,9 @@ import argparse
 import time
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 
 
 def measure(num_running: int, num_waiting: int, steps: int, block_size: int = 16) -> float:

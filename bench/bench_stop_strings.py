@@ -1,5 +1,5 @@
 """Stop-string work per engine step: the old scan of every stop string against the text
-versus the Aho-Corasick matcher (engine/stop_strings.py), and the matcher's one-time build.
+versus the Aho-Corasick matcher (engine/output/stop_strings.py), and the matcher's one-time build.
 
 A step appends a few characters (one token's worth) and asks two things: did a stop string
 appear, and how much of the tail must be held back. Both are timed on the same text, random
@@ -12,7 +12,7 @@ import argparse
 import random
 import time
 
-from engine.stop_strings import StopAutomaton, StopMatcher
+from engine.output.stop_strings import StopAutomaton, StopMatcher
 
 ALPHABET = "abcdefgh "  # small, so the text keeps beginning partial matches
 

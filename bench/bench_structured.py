@@ -13,9 +13,10 @@ import time
 import torch
 
 from engine import LLM, SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.structured_output import GrammarCompiler, RequestGrammar, StructuredOutputsParams
+from engine.core.request import Request
+from engine.sample.sampler import Sampler
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output.grammar import GrammarCompiler, RequestGrammar
 
 PROMPTS = ["List the fruits you know as JSON.", "Name some rivers of Europe.",
            "Write the days of the week.", "Give a list of colours in French.",

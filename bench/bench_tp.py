@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine import LLM, SamplingParams  # noqa: E402
-from kernels import cpu_features  # noqa: E402
+from kernels.cpu import features as cpu_features  # noqa: E402
 
 SMOLLM2_SIZED = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=8, num_key_value_heads=2, head_dim=64,

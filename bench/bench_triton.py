@@ -29,7 +29,7 @@ from bench.bench_generate import make_workload
 from client_examples.common import build_grpc_inputs, chunk_from_grpc_result
 from engine import LLM, SamplingParams
 from engine.models import default_model_dir
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 
 REPO = Path(__file__).resolve().parent.parent / "model_repository"
 

@@ -79,7 +79,7 @@ def seconds_per_call(fn, device: str, min_seconds: float) -> float:
 
 
 def decode_bandwidth(context: int, device: str, peak: float, rehearse: bool) -> Outcome:
-    from kernels import triton_ops
+    from kernels.triton import ops as triton_ops
     num_seqs, layouts = (2, REHEARSAL_LAYOUTS) if rehearse else (64, GPU_LAYOUTS)
     dtype = torch.bfloat16
     parts = []

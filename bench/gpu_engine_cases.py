@@ -64,7 +64,9 @@ def _free_memory() -> None:
 def compiled_variants() -> int | None:
     """Compiled variants of the attention kernels so far (None under the interpreter):
     serving after the engine's warm-up should add none."""
-    from kernels import triton_cache, triton_decode, triton_prefill
+    from kernels.triton import cache as triton_cache
+    from kernels.triton import decode as triton_decode
+    from kernels.triton import prefill as triton_prefill
     kernels = (triton_decode.decode_partition_kernel, triton_decode.decode_reduce_kernel,
                triton_prefill.prefill_attention_kernel, triton_cache.reshape_and_cache_kernel)
     if not all(hasattr(k, "device_caches") for k in kernels):

@@ -50,7 +50,7 @@ def compare(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> tu
 
 def check_shapes(shapes: list[AttentionShape], device: str, tiles_list: list,
                  transform: ArgsTransform | None = None) -> Outcome:
-    from kernels import triton_ops
+    from kernels.triton import ops as triton_ops
     good, worst = True, 0.0
     for seed, shape in enumerate(shapes):
         batch = shape.batch(seed)
@@ -115,14 +115,15 @@ def int64_indices(args: list) -> list:
 
 
 def tiles_for(rehearse: bool) -> list:
-    from kernels import triton_ops
+    from kernels.triton import ops as triton_ops
     small = triton_ops.AttentionTiles(block_n=16, block_m=16,
                                       partition_size=32 if rehearse else 64)
     return [triton_ops.DEFAULT_TILES, small]
 
 
 def check_reshape_and_cache(device: str, rehearse: bool) -> Outcome:
-    from kernels import reference, triton_ops
+    from kernels import torch_ops
+    from kernels.triton import ops as triton_ops
     blocks, block_size, kv_heads, dim, tokens = (8, 8, 2, 32, 20) if rehearse else (64, 16, 8,
                                                                                       128, 300)
     gen = torch.Generator().manual_seed(7)
@@ -135,7 +136,7 @@ def check_reshape_and_cache(device: str, rehearse: bool) -> Outcome:
         slots = torch.randperm(blocks * block_size, generator=gen)[:tokens]
         slots[::7] = -1
         want_k, want_v = cache.clone(), cache.clone()
-        reference.reshape_and_cache(key, value, want_k, want_v, slots)
+        torch_ops.reshape_and_cache(key, value, want_k, want_v, slots)
         got_k, got_v = cache.to(device, copy=True), cache.to(device, copy=True)
         triton_ops.reshape_and_cache(key.to(device), value.to(device), got_k, got_v,
                                      slots.to(device))
@@ -147,7 +148,7 @@ def check_reshape_and_cache(device: str, rehearse: bool) -> Outcome:
 
 def check_dispatch(device: str) -> Outcome:
     import kernels
-    from kernels import triton_ops
+    from kernels.triton import ops as triton_ops
     batch = make_paged_batch([20, 9], [4, 1], 6, 2, 64, 16)
     args = on_device(batch.attention_args(), device)
     via_dispatch, direct = kernels.paged_attention(*args), triton_ops.paged_attention(*args)

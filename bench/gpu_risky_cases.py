@@ -32,7 +32,7 @@ def enforce_gpu_dot_shapes() -> str:
 def check_huge_kv_cache(device: str, rehearse: bool) -> Outcome:
     if rehearse or not device.startswith("cuda"):
         return Outcome("SKIP", "needs 8 GiB of device memory: GPU run only")
-    from kernels import triton_ops
+    from kernels.triton import ops as triton_ops
     kv_heads, head_dim, block_size, dtype = 8, 128, 16, torch.bfloat16
     per_block = block_size * kv_heads * head_dim
     base = INT32_LIMIT // per_block  # first block whose elements all lie past 2^31

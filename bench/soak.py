@@ -80,7 +80,7 @@ def run_soak(config: SoakConfig) -> SoakSummary:
 
 
 def _run_with_model(config: SoakConfig, spec: ModelSpec) -> SoakSummary:
-    from kernels.cpu_features import detect
+    from kernels.cpu.features import detect
 
     max_model_len = int(spec.engine_args["max_model_len"])
     # The probe model gets the longest context the tiny model's positions allow, so the

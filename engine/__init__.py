@@ -1,8 +1,10 @@
 """A vLLM-style LLM engine: continuous batching scheduler, paged KV cache, torch model."""
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.request import (CompletionOutput, Request, RequestOutput, RequestStatus,
-                            SamplingParams)
-from engine.scheduler import Scheduler, SchedulerOutput, SchedulerStats
+from engine.core.request import Request, RequestStatus
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.core.sched_output import SchedulerOutput, SchedulerStats
+from engine.core.scheduler import Scheduler
 
 __all__ = ["CacheConfig", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "Request",
            "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",

@@ -5,8 +5,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from engine.kv_cache.hashing import HASH_ALGOS
-from engine.kv_events import KVEventsConfig
+from engine.core.kv_cache.hashing import HASH_ALGOS
+from engine.core.kv_cache.publisher import KVEventsConfig
 from engine.values import convert
 
 POLICIES = ("fcfs", "priority")
@@ -27,12 +27,12 @@ class SchedulerConfig:
     # 0 disables the per-request chunk cap; otherwise each request gets at most
     # this many tokens per step so long prompts cannot starve decodes.
     long_prefill_token_threshold: int = 0
-    # vLLM V0's limits on prefills in one step (engine/partial_prefills.py); 0: no limit.
+    # vLLM V0's limits on prefills in one step (engine/core/partial_prefills.py); 0: no limit.
     # max_long_partial_prefills 0 means max_num_partial_prefills.
     max_num_partial_prefills: int = 0
     max_long_partial_prefills: int = 0
     # A request readmitted after k preemptions is not the preemption victim for the next
-    # k steps while another can be (engine/scheduler.py _pick_victim): against a request
+    # k steps while another can be (engine/core/scheduler.py _pick_victim): against a request
     # evicted at every chunk of its recompute, at some cost in recomputed tokens.
     shield_resumed: bool = False
     policy: str = "fcfs"
@@ -65,7 +65,7 @@ class CacheConfig:
     # None: derived from kv_cache_memory_bytes once the model shape is known.
     num_kv_blocks: int | None = None
     # None: CPU_KV_CACHE_BYTES on a CPU; on a GPU what gpu_memory_utilization leaves once
-    # the weights and a profiled forward are in (engine/gpu_memory.py).
+    # the weights and a profiled forward are in (engine/worker/gpu_memory.py).
     kv_cache_memory_bytes: int | None = None
     # vLLM's meaning: the share of the GPU's memory this engine may use in all (weights,
     # activations, KV pool). None: 0.9. Ignored on a CPU, as vLLM's CPU backend does.
@@ -73,7 +73,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     # vLLM's name. "builtin" (Python's hash(), the fast default) or, for block hashes an
     # outside indexer can recompute from tokens, "sha256" / "sha256_cbor"
-    # (engine/kv_cache/hashing.py).
+    # (engine/core/kv_cache/hashing.py).
     prefix_caching_hash_algo: str = "builtin"
     # Fraction of all blocks kept free when admitting new or resumed requests.
     watermark: float = 0.0
@@ -121,20 +121,20 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     # 0: every CPU the process may use (affinity, cgroup quota), fewer while other
-    # processes keep some of them busy (engine/cpu_threads.py); N: exactly N threads.
+    # processes keep some of them busy (engine/worker/cpu_threads.py); N: exactly N threads.
     num_threads: int = 0
     # vLLM's name: on a GPU, no CUDA graphs (decode steps launch kernel by kernel).
     enforce_eager: bool = False
     # vLLM's name: ranks that each hold 1/N of every layer's heads, MLP columns and vocab
-    # (engine/parallel/); rank 0 is this process, N - 1 workers are spawned. 1: no workers.
+    # (engine/distributed/); rank 0 is this process, N - 1 workers are spawned. 1: no workers.
     tensor_parallel_size: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
-    # JSON Lines workload trace (engine/trace.py) for the replay and the tuner (tune/);
+    # JSON Lines workload trace (engine/metrics/trace.py) for the replay and the tuner (tune/);
     # None: off. Past trace_max_bytes the file moves to <path>.1 and a new one begins.
     trace_path: str | None = None
     trace_max_bytes: int = 64 * 1024**2
-    # vLLM's KV-cache events (engine/kv_events.py) for prefix-aware routers; None: off.
+    # vLLM's KV-cache events (engine/core/kv_cache/publisher.py) for prefix-aware routers; None: off.
     kv_events_config: KVEventsConfig | None = None
     # Which of several engines serving one model this is (a Triton instance's index when
     # instance_group count > 1), as vLLM's data-parallel rank: it tags KV-event batches and

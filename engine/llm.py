@@ -7,7 +7,8 @@ from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.request import RequestOutput, SamplingParams
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 

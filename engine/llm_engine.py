@@ -9,19 +9,21 @@ from typing import Iterable
 
 
 from engine.config import CPU_KV_CACHE_BYTES, DEFAULT_GPU_MEMORY_UTILIZATION, EngineConfig
-from engine.cpu_threads import configure_threads
-from engine.detokenizer import IncrementalDetokenizer
-from engine.kv_events import make_publisher
-from engine.model_runner import ModelRunner
+from engine.worker.cpu_threads import configure_threads
+from engine.output.detokenizer import IncrementalDetokenizer
+from engine.core.kv_cache.publisher import make_publisher
+from engine.worker.model_runner import ModelRunner
 from engine.models import load_model
-from engine.parallel_sampling import ParallelSampling, fan_out
-from engine.request import (CompletionOutput, Request, RequestMetrics, RequestOutput,
-                            RequestStatus, SamplingParams)
-from engine.sampler import SamplingError
-from engine.structured_output import GrammarCompiler, RequestGrammar
-from engine.scheduler import Scheduler, SchedulerOutput
-from engine.trace import TraceRecorder, step_features
-from kernels import cpu_features
+from engine.output.parallel_sampling import ParallelSampling, fan_out
+from engine.core.request import Request, RequestStatus
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.sample.sampler import SamplingError
+from engine.structured_output.grammar import GrammarCompiler, RequestGrammar
+from engine.core.sched_output import SchedulerOutput
+from engine.core.scheduler import Scheduler
+from engine.metrics.trace import TraceRecorder, step_features
+from kernels.cpu import features as cpu_features
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +81,7 @@ class LLMEngine:
             sched_cfg, cache_cfg = self.config.scheduler, self.config.cache
             send_step = None
             if self._tensor_parallel is not None:
-                from engine.parallel.worker import CacheSetup
+                from engine.distributed.worker import CacheSetup
                 self._tensor_parallel.start(CacheSetup(
                     cache_cfg.num_kv_blocks, cache_cfg.block_size,
                     sched_cfg.max_num_batched_tokens, sched_cfg.max_model_len))
@@ -128,7 +130,7 @@ class LLMEngine:
     def _start_tensor_parallel(self, config: EngineConfig, loaded, num_threads: int):
         """Spawn the workers (after this rank's load, so a model that cannot be split
         fails before any starts) and return rank 0's shard of `loaded`."""
-        from engine.parallel.executor import TensorParallelExecutor
+        from engine.distributed.executor import TensorParallelExecutor
         self._tensor_parallel = TensorParallelExecutor(config, loaded.hf_config,
                                                        str(loaded.model_dir), num_threads)
         try:
@@ -190,7 +192,7 @@ class LLMEngine:
             return cache.kv_cache_memory_bytes
         if not device.startswith("cuda"):
             return CPU_KV_CACHE_BYTES
-        from engine.gpu_memory import profile_kv_pool_bytes
+        from engine.worker.gpu_memory import profile_kv_pool_bytes
         share = cache.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
         sched = config.scheduler
         pool = profile_kv_pool_bytes(loaded, share, sched.max_num_batched_tokens,

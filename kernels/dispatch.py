@@ -5,7 +5,7 @@ model's Linear layers call oneDNN / torch themselves and ask here only for the c
 native kernel does better, and for GGUF-quantized weights):
   CUDA -> the Triton kernel where one exists (paged attention, KV writes), else torch;
   CPU  -> the native C kernel (cpu_native) when it handles the dtype and layout, else torch.
-The torch versions (kernels/reference.py) define every op's semantics. Adding a device or
+The torch versions (kernels/torch_ops.py) define every op's semantics. Adding a device or
 an ISA-specific kernel means one more branch here; the callers do not change.
 
 These run ~100 times per decode step, so each does one device test and one call: no
@@ -17,9 +17,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode_step, cpu_linear, cpu_native, reference
-from kernels.cpu_decode_step import DecodeStepPlan, LayerWeights
-from kernels.gguf_weight import GgufWeight
+from kernels.cpu import decode_step as cpu_decode_step
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import native as cpu_native
+from kernels import torch_ops
+from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
+from kernels.cpu.gguf_weight import GgufWeight
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -28,10 +31,10 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     """Write each token's K/V at its slot (block_id * block_size + offset); -1 skips."""
     check_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     if key_cache.is_cuda:
-        from kernels import triton_ops
+        from kernels.triton import ops as triton_ops
         triton_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     elif not cpu_native.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping):
-        reference.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        torch_ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
 
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -42,21 +45,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     check_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                           seq_lens, scale, max_query_len, max_seq_len)
     if query.is_cuda:
-        from kernels import triton_ops
+        from kernels.triton import ops as triton_ops
         return triton_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                           query_start_loc, seq_lens, scale, max_query_len,
                                           max_seq_len)
-    return reference.paged_attention(query, key_cache, value_cache, block_tables,
+    return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale, max_query_len,
                                      max_seq_len, decode=_cpu_decode)
 
 
 def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
     # The CPU prefill path stays torch (SDPA's fused kernel); only decode rows, and short
-    # chunks run as rows (reference.ROWS_MAX_WORK), take the C kernel.
+    # chunks run as rows (torch_ops.ROWS_MAX_WORK), take the C kernel.
     out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
     if out is None:
-        out = reference.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+        out = torch_ops.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
                                          scale)
     return out
 
@@ -68,7 +71,7 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
         out = cpu_native.add_rms_norm(x, residual, weight, eps)
         if out is not None:
             return out
-    return reference.add_rms_norm(x, residual, weight, eps)
+    return torch_ops.add_rms_norm(x, residual, weight, eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -77,7 +80,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         out = cpu_native.silu_mul(gate_up)
         if out is not None:
             return out
-    return reference.silu_mul(gate_up)
+    return torch_ops.silu_mul(gate_up)
 
 
 def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int,
@@ -93,7 +96,7 @@ def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int,
         out = cpu_native.rope(qkv, num_heads, head_dim, rot_half, positions, cos_table, sin_table)
         if out is not None:
             return out
-    return reference.rope(qkv, num_heads, head_dim, cos, sin)
+    return torch_ops.rope(qkv, num_heads, head_dim, cos, sin)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -102,7 +105,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
         out = cpu_native.argmax_rows(x)
         if out is not None:
             return out
-    return reference.argmax_rows(x)
+    return torch_ops.argmax_rows(x)
 
 
 # The native row kernel streams W once per call and beats oneDNN's blocked GEMM only
@@ -157,10 +160,10 @@ def gguf_embedding(token_ids: torch.Tensor, weight: GgufWeight, dtype: torch.dty
 
 def warm_up(key_cache: torch.Tensor, num_heads: int, max_model_len: int,
             max_num_batched_tokens: int) -> None:
-    """Compile the device kernels' variants before serving (CUDA: kernels/triton_warmup);
+    """Compile the device kernels' variants before serving (CUDA: kernels/triton/warmup);
     the CPU kernels are built ahead and need nothing."""
     if key_cache.is_cuda:
-        from kernels import triton_warmup
+        from kernels.triton import warmup as triton_warmup
         _, block_size, num_kv_heads, head_dim = key_cache.shape
         triton_warmup.warm_up_attention(num_heads, num_kv_heads, head_dim, block_size,
                                         key_cache.dtype, key_cache.device, max_model_len,
@@ -172,6 +175,6 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
                      cos_table: torch.Tensor, sin_table: torch.Tensor,
                      final_norm: torch.Tensor) -> DecodeStepPlan | None:
     """A single sequence's decode step through every layer in one native call (float32
-    on CPU; kernels/cpu_decode_step.py), or None where it does not apply."""
+    on CPU; kernels/cpu/decode_step.py), or None where it does not apply."""
     return cpu_decode_step.plan(layers, num_heads, num_kv_heads, head_dim, rot_half, eps,
                                 scale, cos_table, sin_table, final_norm)

@@ -2,7 +2,7 @@
 
 Pure (no Triton, no HTTP), so every rule is unit-tested. Values are forwarded, not
 checked: the backend validates each one and names the field (INVALID_ARG -> 400), so the
-ranges live in one place (engine/request.py). Only what has no `llm` equivalent is
+ranges live in one place (engine/core/request.py). Only what has no `llm` equivalent is
 refused here."""
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1200 --durat
 CAPPED_TESTS=(tests/test_cpu_features.py tests/test_models_loader.py tests/test_models_paged.py
               tests/test_kernels_cpu_native.py tests/test_sampler.py tests/test_engine_generate.py
               tests/e2e/test_llm_text.py)
-isa=$(.venv/bin/python -c 'from kernels import cpu_features as c; print(c.detect().detected_isa)')
+isa=$(.venv/bin/python -c 'from kernels.cpu import features as c; print(c.detect().detected_isa)')
 capped=0
 if [ "${TLE_TEST_CAPPED:-1}" != 0 ] && [ -z "${TLE_CPU_ISA:-}" ]; then
     case "$isa" in

@@ -3,7 +3,7 @@ import os
 
 import torch
 
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 
 # The Triton interpreter only takes effect if it is on before anything imports triton
 # (transformers and torch may import it indirectly), so it is switched on here, first.

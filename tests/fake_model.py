@@ -7,7 +7,8 @@ or stale KV after preemption shows up as an assertion, not as a silent pass. Sam
 tokens are a pure function of the sequence so far, like greedy decoding."""
 from __future__ import annotations
 
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.core.sched_output import SchedulerOutput
+from engine.core.scheduler import Scheduler
 
 
 def prefix_fingerprints(token_ids: list[int]) -> list[int]:

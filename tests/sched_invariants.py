@@ -4,8 +4,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from engine.request import RequestStatus
-from engine.scheduler import Scheduler, SchedulerOutput
+from engine.core.request import RequestStatus
+from engine.core.sched_output import SchedulerOutput
+from engine.core.scheduler import Scheduler
 
 
 @dataclass

@@ -10,8 +10,8 @@ import pytest
 
 from backend.prompt_limits import check_prompt_size, longest_token_bytes, max_prompt_bytes
 from backend.request_parsing import InvalidRequest
-from engine.request import Request
-from engine.request_queue import FCFSQueue, PriorityQueue
+from engine.core.request import Request
+from engine.core.request_queue import FCFSQueue, PriorityQueue
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
 
 def _fake_pb_utils() -> types.ModuleType:

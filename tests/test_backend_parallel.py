@@ -10,7 +10,8 @@ import pytest
 from backend.llm_responses import LLMResponseBuilder
 from backend.request_parsing import (InvalidRequest, LLMRequest, ReturnFlags, parse_llm_request,
                                      parse_sampling_parameters)
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
 ALL_RETURNS = ReturnFlags(finish_reason=True, num_input_tokens=True, num_output_tokens=True,
                           cumulative_logprob=True, logprobs=True)

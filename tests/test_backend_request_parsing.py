@@ -9,7 +9,7 @@ import pytest
 
 from backend.request_parsing import (InvalidRequest, compile_structured_output, parse_llm_request,
                                      parse_sampling_parameters)
-from engine.structured_output import GrammarCompiler
+from engine.structured_output.grammar import GrammarCompiler
 
 
 def tensors(prompt="hi", sampling=None, **flags):

@@ -10,8 +10,9 @@ from backend.llm_responses import LLMResponseBuilder
 from backend.request_parsing import InvalidRequest, LLMRequest, ReturnFlags
 from backend.token_request_parsing import parse_token_request, words_from_trtllm_list
 from backend.token_responses import TokenResponseBuilder, decode_after, decode_ids
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import CompletionOutput, RequestOutput, SamplingParams
+from engine.output.detokenizer import IncrementalDetokenizer
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

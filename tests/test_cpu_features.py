@@ -1,5 +1,5 @@
-"""kernels.cpu_features: detection, the TLE_CPU_ISA cap (run in child processes, since the
-cap must act before torch's first op), CPU counts; engine.cpu_threads: the governor."""
+"""kernels.cpu.features: detection, the TLE_CPU_ISA cap (run in child processes, since the
+cap must act before torch's first op), CPU counts; engine.worker.cpu_threads: the governor."""
 from __future__ import annotations
 
 import json
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from engine.cpu_threads import ThreadGovernor, read_cpu_busy, read_self_ticks
-from kernels import cpu_features
+from engine.worker.cpu_threads import ThreadGovernor, read_cpu_busy, read_self_ticks
+from kernels.cpu import features as cpu_features
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # What a cap leaves in the environment (this process's own, under a capped test pass).
@@ -48,12 +48,12 @@ def test_cap_reaches_onednn_torch_and_the_native_build():
     kernels the same, builds its C kernels for plain x86-64, and still computes right."""
     got = _child("""
         import json, os
-        from kernels import cpu_features
+        from kernels.cpu import features as cpu_features
         f = cpu_features.detect()
         import torch
         torch.ones(64, 64) @ torch.ones(64, 64)  # torch fixes its capability on first use
-        from kernels import cpu_native
-        from kernels.reference import decode_attention
+        from kernels.cpu import native as cpu_native
+        from kernels.torch_ops import decode_attention
         from tests.paged_batch import make_paged_batch
         batch = make_paged_batch([1, 17, 77], [1] * 3, 9, 3, 64, 16, dtype=torch.float32)
         q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
@@ -77,7 +77,7 @@ def test_cap_reaches_onednn_torch_and_the_native_build():
 
 _SHOW_CAP_VARIABLES = """
     import json, os
-    from kernels import cpu_features
+    from kernels.cpu import features as cpu_features
     f = cpu_features.detect()
     print(json.dumps({"isa": f.isa, **{k: os.environ.get(k) for k in cpu_features.CAP_VARIABLES}}))
     """
@@ -90,7 +90,7 @@ def test_a_child_replaces_the_variables_its_parents_cap_set_and_keeps_the_users(
     the test children inherit; a child capped elsewhere must not read them as the user's."""
     parent = _child("""
         import json, os
-        from kernels import cpu_features
+        from kernels.cpu import features as cpu_features
         cpu_features.detect()
         print(json.dumps(dict(os.environ)))
         """, TLE_CPU_ISA="baseline")
@@ -111,12 +111,12 @@ def test_a_child_replaces_the_variables_its_parents_cap_set_and_keeps_the_users(
 def test_cap_above_the_cpu_changes_nothing_and_bad_caps_are_named():
     got = _child("""
         import json
-        from kernels import cpu_features
+        from kernels.cpu import features as cpu_features
         f = cpu_features.detect()
         print(json.dumps({"isa": f.isa, "detected": f.detected_isa, "capped": f.capped}))
         """, TLE_CPU_ISA="amx")
     assert got["isa"] == got["detected"] and not got["capped"]
-    out = subprocess.run([sys.executable, "-c", "from kernels import cpu_features; cpu_features.detect()"],
+    out = subprocess.run([sys.executable, "-c", "from kernels.cpu import features; features.detect()"],
                          cwd=REPO, env={**os.environ, "TLE_CPU_ISA": "avx3"},
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "TLE_CPU_ISA" in out.stderr and "avx2" in out.stderr
@@ -128,9 +128,9 @@ def test_usable_cpus_follow_the_affinity_mask():
     got = _child("""
         import json, os
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        from kernels import cpu_features
+        from kernels.cpu import features as cpu_features
         import torch
-        from engine.cpu_threads import configure_threads
+        from engine.worker.cpu_threads import configure_threads
         configure_threads(0, cpu_features.detect().num_cpus, "cpu")
         print(json.dumps({"cpus": cpu_features.detect().num_cpus,
                           "threads": torch.get_num_threads()}))

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer, SpaceCleanup
-from engine.request import SamplingParams
+from engine.output.detokenizer import IncrementalDetokenizer, SpaceCleanup
+from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,8 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
-from engine.cuda_graphs import DecodeGraphs, capture_sizes
-from engine.gpu_memory import kv_pool_bytes
+from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.worker.gpu_memory import kv_pool_bytes
 from engine.llm_engine import LLMEngine
 from tests.tiny_model import make_tiny_model_dir
 

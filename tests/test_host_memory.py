@@ -1,7 +1,7 @@
-"""engine.host_memory.zeros: a drop-in for torch.zeros that asks for huge pages."""
+"""engine.worker.host_memory.zeros: a drop-in for torch.zeros that asks for huge pages."""
 import torch
 
-from engine import host_memory
+from engine.worker import host_memory
 
 
 def test_large_buffer_is_zeroed_aligned_and_writable():

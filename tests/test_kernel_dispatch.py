@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import kernels
-from kernels import cpu_native, dispatch, reference
+from kernels import dispatch
+from kernels.cpu import native as cpu_native
+from kernels import torch_ops
 from tests.paged_batch import make_paged_batch
 
 HAS_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
@@ -57,7 +59,7 @@ def test_add_rms_norm(native, dtype, with_x):
     residual = (3 * torch.randn(7, 576, generator=g)).to(dtype)
     weight = torch.randn(576, generator=g).to(dtype)
     expected_residual = residual.clone()
-    expected = reference.add_rms_norm(x, expected_residual, weight, 1e-5)
+    expected = torch_ops.add_rms_norm(x, expected_residual, weight, 1e-5)
     got = dispatch.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(residual, expected_residual)  # updated in place on both paths
     assert_same(got, expected, fused=native)
@@ -67,7 +69,7 @@ def test_add_rms_norm(native, dtype, with_x):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(native, dtype):
     gate_up = (4 * torch.randn(33, 2 * 384, generator=torch.Generator().manual_seed(0))).to(dtype)
-    expected = reference.silu_mul(gate_up)
+    expected = torch_ops.silu_mul(gate_up)
     assert expected.shape == (33, 384)
     assert_same(dispatch.silu_mul(gate_up), expected, fused=native)
 
@@ -83,7 +85,7 @@ def test_rope(native, dtype, rot_half):
     sin_table = torch.randn(100, rot_half, generator=g).to(dtype)
     positions = torch.randint(0, 100, (rows,), generator=g)
     cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-    expected = reference.rope(qkv, heads, head_dim, cos, sin)
+    expected = torch_ops.rope(qkv, heads, head_dim, cos, sin)
     got = dispatch.rope(qkv, heads, head_dim, rot_half, positions, cos_table, sin_table, cos, sin)
     assert got.is_contiguous()
     # The C kernel rounds each product as torch does: bit-equal even when it runs.
@@ -96,7 +98,7 @@ def test_argmax_rows(native, dtype):
     logits = torch.randn(9, 5000, generator=torch.Generator().manual_seed(1)).to(dtype)
     logits[3, 17] = logits[3, 4000] = 50.0  # a tie: the first index wins on every path
     got = dispatch.argmax_rows(logits)
-    assert torch.equal(got, reference.argmax_rows(logits)) and got.dtype == torch.int64
+    assert torch.equal(got, torch_ops.argmax_rows(logits)) and got.dtype == torch.int64
     assert got[3] == 17
 
 
@@ -108,7 +110,7 @@ def test_reshape_and_cache(native, dtype):
     key, value = qkv[:, 3 * 64:4 * 64].view(6, 1, 64), qkv[:, 4 * 64:].view(6, 1, 64)
     slots = torch.tensor([5, 0, -1, 17, 3, -1])
     expected = [torch.zeros(4, 8, 1, 64, dtype=dtype) for _ in range(2)]
-    reference.reshape_and_cache(key, value, *expected, slots)
+    torch_ops.reshape_and_cache(key, value, *expected, slots)
     got = [torch.zeros(4, 8, 1, 64, dtype=dtype) for _ in range(2)]
     dispatch.reshape_and_cache(key, value, *got, slots)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -121,7 +123,7 @@ def test_paged_attention(native, dtype, tol, query_lens):
     # Against the torch definition with no fast decode: prefill chunks through SDPA, so
     # short chunks that dispatch runs as decode rows are checked too.
     batch = make_paged_batch([1, 9, 33, 60, 77], query_lens, 9, 3, 64, 16, dtype=dtype, seed=5)
-    expected = reference.paged_attention(*batch.attention_args())
+    expected = torch_ops.paged_attention(*batch.attention_args())
     got = dispatch.paged_attention(*batch.attention_args())
     assert got.dtype == dtype and got.shape == expected.shape
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -144,7 +146,7 @@ def _kernel_imports(path: Path) -> set[str]:
 def test_engine_reaches_kernels_through_dispatch_only():
     # The package re-exports dispatch's functions; cpu_features is detection and
     # gguf_weight a weight format (what the loader builds), not kernels.
-    allowed = {"kernels.dispatch", "kernels.cpu_features", "kernels.gguf_weight"}
+    allowed = {"kernels.dispatch", "kernels.cpu.features", "kernels.cpu.gguf_weight"}
     allowed |= {f"kernels.{name}" for name in kernels.__all__}
     sources = sorted(ENGINE.rglob("*.py"))
     assert len(sources) > 10

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.models.rope import RotaryEmbedding
-from kernels import cpu_native, reference
+from kernels.cpu import native as cpu_native
+from kernels import torch_ops
 from tests.paged_batch import make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -27,7 +28,7 @@ def test_matches_torch_decode(dtype, tol, num_heads, num_kv_heads, head_dim, blo
     batch = make_paged_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim,
                              block_size, dtype=dtype, seed=head_dim + block_size)
     q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
-    expected = reference.decode_attention(q, kc, vc, tables, lens, scale)
+    expected = torch_ops.decode_attention(q, kc, vc, tables, lens, scale)
     got = cpu_native.decode_attention(q, kc, vc, tables, lens, scale)
     assert got is not None and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
@@ -36,7 +37,7 @@ def test_matches_torch_decode(dtype, tol, num_heads, num_kv_heads, head_dim, blo
 def test_long_context_and_thread_split_match():
     batch = make_paged_batch([3000, 1, 700, 1500], [1] * 4, 9, 3, 64, 16, dtype=torch.float32, seed=1)
     q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
-    expected = reference.decode_attention(q, kc, vc, tables, lens, scale)
+    expected = torch_ops.decode_attention(q, kc, vc, tables, lens, scale)
     for threads in (1, 3):
         prev = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -100,7 +101,7 @@ def test_fused_silu_mul_saturates_without_nan(dtype):
     gate = torch.tensor([[-90.0, -200.0, 90.0, 1e30, 0.0, -88.0, 88.0, -3.0, -1e30]])
     gate_up = torch.cat((gate, torch.full_like(gate, 2.0)), dim=1).to(dtype)
     got = cpu_native.silu_mul(gate_up).float()
-    expected = reference.silu_mul(gate_up.float())
+    expected = torch_ops.silu_mul(gate_up.float())
     torch.testing.assert_close(got, expected, atol=1e-30, rtol=1e-2)
 
 
@@ -153,7 +154,7 @@ def test_fused_reshape_and_cache_matches_torch_and_skips_padding():
     value = qkv[:, 4 * 64:].view(6, 1, 64)
     slots = torch.tensor([5, 0, -1, 17, 3, -1])
     expected = [torch.zeros(4, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
-    reference.reshape_and_cache(key, value, *expected, slots)
+    torch_ops.reshape_and_cache(key, value, *expected, slots)
     got = [torch.zeros(4, 8, 1, 64, dtype=torch.bfloat16) for _ in range(2)]
     assert cpu_native.reshape_and_cache(key, value, *got, slots)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
@@ -177,7 +178,7 @@ def test_fused_add_rms_norm_f32_matches_reference(rows, hidden):
     residual[-1] *= 1e-3  # mean square near eps: a row where eps matters
     weight = torch.randn(hidden, generator=g)
     expected_res = residual.clone()
-    expected = reference.add_rms_norm(x, expected_res, weight, 1e-5)
+    expected = torch_ops.add_rms_norm(x, expected_res, weight, 1e-5)
     got_res = residual.clone()
     got = cpu_native.add_rms_norm(x, got_res, weight, 1e-5)
     assert got is not None and got.dtype == torch.float32 and got.shape == (rows, hidden)
@@ -194,7 +195,7 @@ def test_fused_add_rms_norm_f32_matches_reference(rows, hidden):
 def test_fused_silu_mul_f32_matches_reference(rows, inter):
     gate_up = 4 * torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(inter))
     gate_up[0, :2] = torch.tensor([-90.0, 90.0])  # exp overflows / underflows on one side
-    expected = reference.silu_mul(gate_up)
+    expected = torch_ops.silu_mul(gate_up)
     got = cpu_native.silu_mul(gate_up)
     assert got is not None and got.shape == (rows, inter) and got.is_contiguous()
     torch.testing.assert_close(got, expected, **F32)
@@ -209,7 +210,7 @@ def test_fused_rope_f32_is_bit_equal_to_reference(rows, heads, rot_half):
     cos = torch.randn(100, rot_half, generator=g)
     sin = torch.randn(100, rot_half, generator=g)
     positions = torch.randint(0, 100, (rows,), generator=g)
-    expected = reference.rope(qkv, heads, dim, cos[positions].unsqueeze(1),
+    expected = torch_ops.rope(qkv, heads, dim, cos[positions].unsqueeze(1),
                               sin[positions].unsqueeze(1))
     got = cpu_native.rope(qkv, heads, dim, rot_half, positions, cos, sin)
     # torch rounds each product before the sum; an FMA-contracted kernel would not.
@@ -227,7 +228,7 @@ def test_fused_rope_f32_takes_the_model_tables():
     positions = torch.tensor([0, 5, 511, 200])
     qkv = torch.randn(4, 12 * 64, generator=torch.Generator().manual_seed(0))
     cos, sin, _ = rotary.lookup(positions)
-    expected = reference.rope(qkv, 12, 64, cos, sin)
+    expected = torch_ops.rope(qkv, 12, 64, cos, sin)
     got = cpu_native.rope(qkv, 12, 64, rotary.rot_half, positions, rotary.cos, rotary.sin)
     assert got is not None and torch.equal(got, expected)
 
@@ -242,7 +243,7 @@ def test_fused_reshape_and_cache_f32_matches_reference(tokens, kv_heads):
     slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
     slots[::3] = -1  # padding
     expected = [torch.zeros(blocks, block_size, kv_heads, dim) for _ in range(2)]
-    reference.reshape_and_cache(key, value, *expected, slots)
+    torch_ops.reshape_and_cache(key, value, *expected, slots)
     got = [torch.zeros(blocks, block_size, kv_heads, dim) for _ in range(2)]
     assert cpu_native.reshape_and_cache(key, value, *got, slots)
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])

@@ -6,7 +6,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels import paged_attention, reference, reshape_and_cache
+from kernels import paged_attention, reshape_and_cache
+from kernels import torch_ops
 from tests.paged_batch import dense_attention, make_paged_batch
 
 # bf16 inputs are identical on both sides; the gap is bf16 rounding of the logits
@@ -34,7 +35,7 @@ def test_decode_batch_matches_dense(dtype, num_heads, num_kv_heads, block_size):
 
 # Prefill chunks go through the decode kernel as rows up to ROWS_MAX_WORK, through
 # SDPA past it: 0 sends every chunk of the tests to SDPA.
-ROW_LIMITS = {"chunks as rows": reference.ROWS_MAX_WORK, "chunks through SDPA": 0}
+ROW_LIMITS = {"chunks as rows": torch_ops.ROWS_MAX_WORK, "chunks through SDPA": 0}
 
 
 @pytest.mark.parametrize("rows_max_work", ROW_LIMITS.values(), ids=ROW_LIMITS.keys())
@@ -43,7 +44,7 @@ ROW_LIMITS = {"chunks as rows": reference.ROWS_MAX_WORK, "chunks through SDPA": 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(3, 3), (9, 3), (16, 2)])
 def test_mixed_prefill_decode_with_prefix_matches_dense(monkeypatch, rows_max_work, dtype, head_dim,
                                                         num_heads, num_kv_heads):
-    monkeypatch.setattr(reference, "ROWS_MAX_WORK", rows_max_work)
+    monkeypatch.setattr(torch_ops, "ROWS_MAX_WORK", rows_max_work)
     # fresh prompt, chunk after a prefix-cache hit, decode rows, a one-token sequence
     seq_lens = [20, 45, 9, 1, 33, 16]
     query_lens = [20, 12, 1, 1, 5, 1]
@@ -54,7 +55,7 @@ def test_mixed_prefill_decode_with_prefix_matches_dense(monkeypatch, rows_max_wo
 
 def test_rows_and_sdpa_chunks_in_one_batch(monkeypatch):
     # 20 x 20 and 12 x 45 go as rows, 30 x 60 (work 1800) through SDPA.
-    monkeypatch.setattr(reference, "ROWS_MAX_WORK", 600)
+    monkeypatch.setattr(torch_ops, "ROWS_MAX_WORK", 600)
     batch = make_paged_batch([20, 45, 9, 60], [20, 12, 1, 30], 9, 3, 64, 16, seed=5)
     assert_matches_dense(batch, torch.float32)
 
@@ -90,7 +91,7 @@ def test_block_table_order_matters():
        heads=st.sampled_from([(2, 2), (6, 3), (8, 1), (16, 8)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_random_ragged_batches_match_dense(data, block_size, heads, dtype):
-    rows_max_work = data.draw(st.sampled_from([0, 300, reference.ROWS_MAX_WORK]), label="rows_max_work")
+    rows_max_work = data.draw(st.sampled_from([0, 300, torch_ops.ROWS_MAX_WORK]), label="rows_max_work")
     num_seqs = data.draw(st.integers(1, 6), label="num_seqs")
     seq_lens = data.draw(st.lists(st.integers(1, 70), min_size=num_seqs, max_size=num_seqs),
                          label="seq_lens")
@@ -98,11 +99,11 @@ def test_random_ragged_batches_match_dense(data, block_size, heads, dtype):
                   for length in seq_lens]
     batch = make_paged_batch(seq_lens, query_lens, heads[0], heads[1], 64, block_size,
                              dtype=dtype, seed=data.draw(st.integers(0, 2**16)))
-    default, reference.ROWS_MAX_WORK = reference.ROWS_MAX_WORK, rows_max_work
+    default, torch_ops.ROWS_MAX_WORK = torch_ops.ROWS_MAX_WORK, rows_max_work
     try:
         assert_matches_dense(batch, dtype)
     finally:
-        reference.ROWS_MAX_WORK = default
+        torch_ops.ROWS_MAX_WORK = default
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,4 +1,4 @@
-"""Each Triton kernel against the torch implementation (kernels.reference).
+"""Each Triton kernel against the torch implementation (kernels.torch_ops).
 
 Without CUDA the kernels run under the Triton interpreter: TRITON_INTERPRET=1 must be
 set before triton (and our kernel modules) are imported, so it is set right here at
@@ -21,7 +21,8 @@ if not ON_GPU:
 pytest.importorskip("triton", reason="triton is not installed; the torch path is tested "
                     "in test_kernels_torch.py")
 
-from kernels import reference, triton_ops  # noqa: E402
+from kernels import torch_ops  # noqa: E402
+from kernels.triton import ops as triton_ops
 from tests.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -34,7 +35,7 @@ SMALL_TILES = triton_ops.AttentionTiles(block_n=16, block_m=16, partition_size=3
 
 
 def assert_kernel_matches_torch(batch, dtype, tiles):
-    expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
+    expected = torch_ops.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
                                            for a in batch.attention_args()])
     out = triton_ops.paged_attention(*batch.attention_args(), tiles=tiles)
     assert out.dtype == dtype and out.shape == batch.query.shape
@@ -75,7 +76,7 @@ def test_prefill_kernel_with_default_tiles_and_padding_rows():
     args = list(batch.attention_args())
     args[0] = padded_query
     out = triton_ops.paged_attention(*args)
-    expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
+    expected = torch_ops.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
                                            for a in args])
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
     assert torch.equal(out[-2:].cpu(), torch.zeros(2, 6, 64))
@@ -117,7 +118,7 @@ def test_reshape_and_cache_kernel_matches_torch(dtype, num_kv_heads, head_dim):
     key, value = fused[:, :num_kv_heads], fused[:, num_kv_heads:2 * num_kv_heads]
     slots = torch.tensor([0, -1, 39, 8, -1, 17, 31], dtype=torch.int64)
     expected_k, expected_v = cache.clone(), cache.clone()
-    reference.reshape_and_cache(key, value, expected_k, expected_v, slots)
+    torch_ops.reshape_and_cache(key, value, expected_k, expected_v, slots)
     key_cache, value_cache = cache.to(DEVICE), cache.clone().to(DEVICE)
     triton_ops.reshape_and_cache(key.to(DEVICE), value.to(DEVICE), key_cache, value_cache,
                                  slots.to(DEVICE))
@@ -153,7 +154,7 @@ def test_decode_split_fills_the_device_only_when_the_batch_does_not(sms):
 def test_warm_up_covers_every_variant_a_server_can_meet(tiles):
     """Brute force over batches within the limits: each variant paged_attention would
     compile is one the start-up warm-up launches (no JIT stall while serving)."""
-    from kernels import triton_warmup
+    from kernels.triton import warmup as triton_warmup
     max_model_len, max_tokens = 3000, 700
     lengths = sorted({*range(1, max_model_len + 1, 37), *(2**k + d for k in range(12)
                                                           for d in (-1, 0, 1)), max_model_len})
@@ -177,7 +178,7 @@ def test_warm_up_covers_every_variant_a_server_can_meet(tiles):
 
 
 def test_warm_up_launches_run():
-    from kernels import triton_warmup
+    from kernels.triton import warmup as triton_warmup
     cases = triton_warmup.warm_up_attention(4, 2, 16, 8, torch.float32, torch.device(DEVICE),
                                             max_model_len=600, max_num_batched_tokens=20,
                                             tiles=SMALL_TILES)
@@ -190,7 +191,7 @@ def test_dispatch_runs_triton_on_cuda():
     batch = make_paged_batch([20, 9], [4, 1], 6, 2, 64, 16, device="cuda")
     out = kernels.paged_attention(*batch.attention_args())
     assert out.is_cuda
-    expected = reference.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
+    expected = torch_ops.paged_attention(*[a.cpu() if isinstance(a, torch.Tensor) else a
                                            for a in batch.attention_args()])
     torch.testing.assert_close(out.cpu(), expected, **TOLERANCE[torch.float32])
 
@@ -202,13 +203,13 @@ def test_dispatch_elementwise_ops_on_cuda_run_the_torch_reference():
     x, residual = (torch.randn(5, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(2))
     weight = torch.randn(64, generator=g).to(torch.bfloat16).cuda()
     expected_residual = residual.clone()
-    expected = reference.add_rms_norm(x, expected_residual, weight, 1e-5)
+    expected = torch_ops.add_rms_norm(x, expected_residual, weight, 1e-5)
     assert torch.equal(dispatch.add_rms_norm(x, residual, weight, 1e-5), expected)
     assert torch.equal(residual, expected_residual)
-    assert torch.equal(dispatch.silu_mul(x), reference.silu_mul(x))
+    assert torch.equal(dispatch.silu_mul(x), torch_ops.silu_mul(x))
     assert torch.equal(dispatch.argmax_rows(x), x.argmax(dim=-1))
     tables = [torch.randn(40, 8, generator=g).to(torch.bfloat16).cuda() for _ in range(2)]
     positions = torch.tensor([3, 0, 39, 7, 7], device="cuda")
     cos, sin = (t[positions].unsqueeze(1) for t in tables)
     got = dispatch.rope(x, 2, 16, 8, positions, *tables, cos, sin)
-    assert got.is_cuda and torch.equal(got, reference.rope(x, 2, 16, cos, sin))
+    assert got.is_cuda and torch.equal(got, torch_ops.rope(x, 2, 16, cos, sin))

@@ -11,10 +11,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.kv_cache import BlockHasher, external_hash, update_block_hashes
-from engine.kv_events import KVEventsConfig, ZmqEventPublisher, encode_batch
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.kv_cache import BlockHasher, external_hash, update_block_hashes
+from engine.core.kv_cache.publisher import KVEventsConfig, ZmqEventPublisher, encode_batch
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from tests.fake_model import FakeModelRunner
 from tests.test_scheduler_properties import drive, workloads
 from tuning.kv_index import KVEventIndex, decode_batch
@@ -378,18 +379,18 @@ def test_real_engine_publishes_what_it_caches(tmp_path):
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-        preemptions = engine.scheduler.num_preemptions_total
+        preemptions = engine.core.scheduler.num_preemptions_total
         engine.reset_prefix_cache()
         engine.add_request("after", shared + [7, 7, 7],
                            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        expected = engine_set(engine.scheduler)
+        expected = engine_set(engine.core.scheduler)
         assert expected
         # The whole history from the replay socket (a subscriber that joins late misses
         # what PUB sent before its subscription arrived), then the live stream's part of
         # it must be the same bytes under the same numbers.
-        assert engine.kv_events.flush()
+        assert engine.core.kv_cache.publisher.flush()
         replayed = _replay_all(replay_port, 0)
         index = KVEventIndex()
         for seq, payload in replayed:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from kernels import cpu_native
+from kernels.cpu import native as cpu_native
 from tests.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(cpu_native.load_library() is None,

@@ -4,8 +4,8 @@ import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
 from engine.llm_engine import EngineStepError
-from engine.parallel_sampling import child_seed, fan_out
-from engine.request import SEED_MAX
+from engine.output.parallel_sampling import child_seed, fan_out
+from engine.sampling_params import SEED_MAX
 from tests.tiny_model import make_tiny_model_dir
 
 BLOCK = 16

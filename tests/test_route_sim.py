@@ -5,9 +5,10 @@ import dataclasses
 import random
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_events import encode_batch
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.kv_cache.publisher import encode_batch
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from tuning.route_sim import Replica, Router, SimRequest, simulate
 from tuning.step_model import StepModel
 

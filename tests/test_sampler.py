@@ -4,9 +4,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from engine.request import Request, SamplingParams
-from engine.sampler import Sampler, apply_penalties
-from engine.sampling_metadata import SamplingMetadata
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.sample.sampler import Sampler, apply_penalties
+from engine.sample.metadata import SamplingMetadata
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -295,7 +296,7 @@ def test_extreme_valid_parameters_sample_in_range_and_leave_other_rows_alone():
 
 
 def test_a_row_that_breaks_sampling_is_named_and_fails_alone():
-    from engine.sampler import SamplingError
+    from engine.sample.sampler import SamplingError
 
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(17))
     good = [make_request("a", SamplingParams(temperature=1.0, top_k=5)),

@@ -2,8 +2,9 @@
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, RequestStatus, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from tests.fake_model import FakeModelRunner, run_to_completion
 from tests.sched_invariants import check_drained, check_state, check_step, schedule
 

@@ -5,8 +5,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
 from tests.fake_model import FakeModelRunner
 from tests.sched_invariants import check_drained, schedule
 

@@ -6,12 +6,13 @@ from array import array
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from engine.detokenizer import IncrementalDetokenizer
-from engine.request import SamplingParams
-from engine.stop_strings import (MAX_STOP_CHARS_TOTAL, MAX_STOP_SEQUENCE_IDS,
-                                 MAX_STOP_SEQUENCE_IDS_TOTAL, MAX_STOP_STRING_CHARS,
-                                 MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MAX_STOP_TOKEN_SEQUENCES,
-                                 StopAutomaton, StopMatcher, check_stop_limits)
+from engine.output.detokenizer import IncrementalDetokenizer
+from engine.sampling_params import SamplingParams
+from engine.output.stop_strings import StopAutomaton, StopMatcher
+from engine.sampling_params import (MAX_STOP_CHARS_TOTAL, MAX_STOP_SEQUENCE_IDS,
+                                    MAX_STOP_SEQUENCE_IDS_TOTAL, MAX_STOP_STRINGS,
+                                    MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS,
+                                    MAX_STOP_TOKEN_SEQUENCES, check_stop_limits)
 from tests.test_detokenizer import delta_text
 
 

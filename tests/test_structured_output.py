@@ -13,11 +13,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from engine import LLM, SamplingParams
-from engine.grammar_bitmask import apply_bitmask
+from engine.structured_output.bitmask import apply_bitmask
 from engine.llm_engine import EngineStepError
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.structured_output import GrammarCompiler, RequestGrammar, StructuredOutputsParams
+from engine.core.request import Request
+from engine.sample.sampler import Sampler
+from engine.sampling_params import StructuredOutputsParams
+from engine.structured_output.grammar import GrammarCompiler, RequestGrammar
 from tests.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(600)

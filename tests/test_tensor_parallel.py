@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineStepError
 from engine.models.layers import Linear
-from engine.parallel.sharding import (LogitsGather, RowParallelLinear, VocabParallelEmbedding,
+from engine.distributed.sharding import (LogitsGather, RowParallelLinear, VocabParallelEmbedding,
                                       head_shard, vocab_slice)
 from tests.tiny_model import make_tiny_model_dir
 

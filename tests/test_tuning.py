@@ -1,4 +1,4 @@
-"""Workload traces (engine/trace.py) and their replay on the real scheduler (tuning/)."""
+"""Workload traces (engine/metrics/trace.py) and their replay on the real scheduler (tuning/)."""
 from __future__ import annotations
 
 import json
@@ -34,7 +34,7 @@ def record(tiny, path, **args):
     engine.abort_request("r4")
     while engine.has_unfinished_requests():
         engine.step()
-    engine.trace.close()
+    engine.metrics.trace.close()
     return engine, prompts
 
 

@@ -3,7 +3,7 @@ as a prefix-aware router's indexer keeps it (llm-d's KV indexer, Dynamo's KV rou
 set of block keys the engine can hit, and per prompt how many leading blocks it holds.
 
 Reads vLLM's batch layout [ts, events, data_parallel_rank], each event a map tagged by
-"type" (engine/kv_events.py)."""
+"type" (engine/core/kv_cache/publisher.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
-from engine.trace import step_features
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.metrics.trace import step_features
 from engine.values import convert
 from tuning.step_model import StepModel, held_out_error, step_durations
 from tuning.trace_file import Trace, read_trace

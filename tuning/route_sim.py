@@ -25,11 +25,12 @@ import heapq
 from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
-from engine.kv_cache import BlockHasher, external_hash
-from engine.kv_events import encode_batch
-from engine.request import Request, SamplingParams
-from engine.scheduler import Scheduler
-from engine.trace import step_features
+from engine.core.kv_cache import BlockHasher, external_hash
+from engine.core.kv_cache.publisher import encode_batch
+from engine.core.request import Request
+from engine.sampling_params import SamplingParams
+from engine.core.scheduler import Scheduler
+from engine.metrics.trace import step_features
 from tuning.kv_index import KVEventIndex
 from tuning.replay import (RequestResult, Summary, finish_step, record_request_counts,
                            start_step, summarize)

@@ -1,4 +1,4 @@
-"""Reading a trace written by engine/trace.py (the rotated `<path>.1` first, if any)."""
+"""Reading a trace written by engine/metrics/trace.py (the rotated `<path>.1` first, if any)."""
 from __future__ import annotations
 
 import json

@@ -1,5 +1,5 @@
 """The quantized tensors of a GGUF file, named and shaped for our Llama-family model
-(quantization="gguf"): the weights stay in the file's blocks, see kernels/gguf_weight.py.
+(quantization="gguf"): the weights stay in the file's blocks, see kernels/cpu/gguf_weight.py.
 
 GGUF stores Llama's q and k projections with the rows of each head interleaved (llama.cpp's
 converter permutes them for its RoPE); which order a file uses is read off the data: the
@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from kernels.gguf_weight import FORMATS, GgufWeight
+from kernels.cpu.gguf_weight import FORMATS, GgufWeight
 
 logger = logging.getLogger(__name__)
 

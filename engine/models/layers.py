@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_features, dispatch
-from kernels.gguf_weight import GgufWeight
+from kernels import dispatch
+from kernels.cpu import features as cpu_features
+from kernels.cpu.gguf_weight import GgufWeight
 
 
 def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -90,7 +91,7 @@ class Linear(nn.Module):
 
 class Embedding(nn.Module):
     """Token id -> row of `weight` [vocab, hidden]; tensor parallelism swaps in a
-    vocabulary-sliced subclass (engine/parallel/sharding.py)."""
+    vocabulary-sliced subclass (engine/distributed/sharding.py)."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype) -> None:
         super().__init__()
@@ -101,7 +102,7 @@ class Embedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm with an optional fused residual add (numerics: kernels.reference.add_rms_norm,
+    """RMSNorm with an optional fused residual add (numerics: kernels.torch_ops.add_rms_norm,
     HF's rounding order)."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:

@@ -16,7 +16,7 @@ from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Embedding, Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
 from engine.models.rope import RotaryEmbedding
 from kernels import dispatch
-from kernels.gguf_weight import GgufWeight
+from kernels.cpu.gguf_weight import GgufWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin, positions
@@ -153,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None
         self.lm_head_quantized: GgufWeight | None = None
         # Tensor parallelism: each rank's lm_head holds a slice of the vocabulary, and this
-        # joins the ranks' logit columns into full rows (engine/parallel/sharding.py).
+        # joins the ranks' logit columns into full rows (engine/distributed/sharding.py).
         self.gather_logits = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

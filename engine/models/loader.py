@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.models.llama import MODEL_REGISTRY, head_dim_of
 from engine.models.model_files import load_tokenizer, resolve_model_dir
-from kernels import cpu_features
+from kernels.cpu import features as cpu_features
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A single sequence's decode step in one native call (kernels/cpu_decode_step.py): what
+"""A single sequence's decode step in one native call (kernels/cpu/decode_step.py): what
 a single stream spends its time on once the matmuls are fast is the ~10 Python-level
 kernel calls a layer, and this skips them. The layer-by-layer forward stays the
 reference; the plan is bit-equal to it and built only where it applies."""

@@ -35,7 +35,7 @@ int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset
 void linear_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,
                      int64_t n, int64_t k, int num_threads);
 
-/* Field order and types must match kernels/cpu_decode_step.py. */
+/* Field order and types must match kernels/cpu/decode_step.py. */
 typedef struct {
     int64_t type;          /* -1: dense float32 [n, k]; else the GGUF type id */
     const void *weight;    /* dense weights, or the GGUF codes */

@@ -1,5 +1,5 @@
 /* Weight-only quantized linear layers on GGUF's blocks: y = x W^T (+ bias) with W kept
- * in the file's Q4_0, Q4_1 or Q8_0 codes and scales (kernels/gguf_weight.py lays them out:
+ * in the file's Q4_0, Q4_1 or Q8_0 codes and scales (kernels/cpu/gguf_weight.py lays them out:
  * codes without the interleaved fp16 scales, scales and offsets as float32 arrays).
  *
  * Why not dequantize: decoding one token reads every weight once, so its time is the

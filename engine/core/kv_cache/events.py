@@ -1,0 +1,51 @@
+"""What the prefix cache tells outside indexers: vLLM's KV-cache events.
+
+A hash enters the cache (BlockStored), leaves it (BlockRemoved), or the whole cache is
+forgotten (AllBlocksCleared). The KV manager records them as they happen; the engine
+hands each step's list to the publisher (engine/core/kv_cache/publisher.py), which owns the wire
+format. Events describe the set of hashes a lookup can hit: a block holding the same
+tokens as a cached one is not announced, and a hash is removed only when no block
+serves it any more."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from engine.core.kv_cache.hashing import BlockHash
+
+# vLLM names the engine's own KV tier "GPU" whatever the device; its CPU build does too.
+MEDIUM = "GPU"
+_MASK64 = (1 << 64) - 1
+
+
+def external_hash(block_hash: BlockHash) -> int | bytes:
+    """vLLM's rule (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, default on): publish the low 64
+    bits of the digest, read big-endian, as an unsigned integer; raw bytes when off."""
+    if isinstance(block_hash, int):
+        return block_hash & _MASK64
+    if os.environ.get("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1") == "0":
+        return block_hash
+    return int.from_bytes(block_hash, "big") & _MASK64
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    medium: str = MEDIUM
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    medium: str = MEDIUM
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared

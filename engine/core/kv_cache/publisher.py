@@ -1,0 +1,249 @@
+"""KV-cache events on the wire, as vLLM publishes them, so prefix-aware routers (llm-d's
+KV indexer, Dynamo's KV router) index this engine without knowing it.
+
+Wire format (vLLM 0.32, vllm/distributed/kv_events.py; the peer bench/vllm_peer.py runs):
+- a ZMQ PUB socket sends one multipart message per engine step that changed the cache:
+  (topic, sequence number as 8 bytes big-endian, msgpack payload);
+- the payload is the batch as an array [ts, events, data_parallel_rank]; each event is a
+  map tagged by "type" ("BlockStored", "BlockRemoved", "AllBlocksCleared") with the
+  fields in vLLM's order, fields left at their defaults omitted (msgspec omit_defaults);
+- a ROUTER socket (replay_endpoint) answers a request (identity, b"", start sequence as 8
+  bytes big-endian) with every buffered batch from there on as (identity, b"", seq,
+  payload), then (identity, b"", -1 as 8 signed bytes, b"").
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+from engine.core.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
+                                    external_hash)
+from engine.values import NULL_WORDS, convert
+
+logger = logging.getLogger(__name__)
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(slots=True)
+class KVEventsConfig:
+    """vLLM's KVEventsConfig fields and defaults."""
+    enable_kv_cache_events: bool = False
+    # None: "zmq" when events are on, else "null" (vLLM's rule).
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            self.publisher = "zmq" if self.enable_kv_cache_events else "null"
+        if self.publisher not in PUBLISHERS:
+            raise ValueError(f"kv_events_config.publisher must be one of {PUBLISHERS}, "
+                             f"got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"kv_events_config.{name} must be positive, got {getattr(self, name)}")
+
+    def for_rank(self, rank: int) -> "KVEventsConfig":
+        """vLLM's rule for data-parallel engines, which Triton instances of one model are:
+        rank N publishes on the configured TCP ports + N (ipc/inproc: a `_dpN` suffix)."""
+        if rank == 0:
+            return self
+        return dataclasses.replace(self, endpoint=_offset_endpoint(self.endpoint, rank),
+                                   replay_endpoint=(_offset_endpoint(self.replay_endpoint, rank)
+                                                    if self.replay_endpoint else None))
+
+    @property
+    def active(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    @classmethod
+    def from_value(cls, name: str, value: Any) -> "KVEventsConfig | None":
+        """A mapping (model.json) or its JSON text (a config.pbtxt parameter, a CLI flag)."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        if isinstance(value, str):
+            if value.strip().lower() in NULL_WORDS:
+                return None
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError(f"{name} must be a JSON object, got {value[:80]!r}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"{name}: unknown field(s) {unknown}; known: {sorted(known)}")
+        return cls(**{key: convert(f"{name}.{key}", raw, str(known[key].type))
+                      for key, raw in value.items()})
+
+
+def _offset_endpoint(endpoint: str, rank: int) -> str:
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if endpoint.startswith("tcp://") and sep and port.isdigit():
+        return f"{head}:{int(port) + rank}"
+    raise ValueError(f"kv_events_config: cannot give rank {rank} its own endpoint from {endpoint!r}")
+
+
+def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
+    if isinstance(event, BlockStored):
+        return {"type": "BlockStored",
+                "block_hashes": [external_hash(h) for h in event.block_hashes],
+                "parent_block_hash": (None if event.parent_block_hash is None
+                                      else external_hash(event.parent_block_hash)),
+                "token_ids": event.token_ids, "block_size": event.block_size,
+                "lora_id": None, "medium": event.medium, "lora_name": None}
+    if isinstance(event, BlockRemoved):
+        return {"type": "BlockRemoved", "block_hashes": [external_hash(h) for h in event.block_hashes],
+                "medium": event.medium}
+    if isinstance(event, AllBlocksCleared):
+        return {"type": "AllBlocksCleared"}
+    raise TypeError(f"not a KV-cache event: {event!r}")
+
+
+def encode_batch(ts: float, events: list[KVCacheEvent], data_parallel_rank: int = 0) -> bytes:
+    import msgpack
+
+    return msgpack.packb([ts, [event_to_wire(e) for e in events], data_parallel_rank],
+                         use_bin_type=True)
+
+
+class ZmqEventPublisher:
+    """PUB socket plus replay ROUTER, served by one thread so that ZMQ sockets stay on the
+    thread that made them and the engine thread only enqueues."""
+
+    def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
+        import zmq
+
+        self._config = config
+        self._rank = data_parallel_rank
+        self._queue: queue.Queue = queue.Queue(maxsize=config.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._topic = config.topic.encode()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(config.hwm)
+        self._replay = None
+        try:
+            # vLLM's convention: an address with a wildcard (or ipc/inproc) is bound, a
+            # host address is connected to.
+            endpoint = config.endpoint
+            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+                self._pub.bind(endpoint)
+            else:
+                self._pub.connect(endpoint)
+            if config.replay_endpoint:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(config.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise ValueError(f"kv_events_config: cannot open {config.endpoint!r} / "
+                             f"{config.replay_endpoint!r}: {exc}") from exc
+        self.next_seq = 0
+        self._running = True
+        self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        if not events:
+            return
+        try:
+            # The thread drains far faster than steps come; a full queue means it is
+            # gone, and the engine must not wait on it.
+            self._queue.put((time.time(), events), timeout=1.0)
+        except queue.Full:
+            logger.error("KV-event queue full (%d batches); dropping a batch",
+                         self._config.max_queue_size)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Waits until every batch handed to publish() is on the wire (and in the replay
+        buffer); False if that took longer than `timeout`."""
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.002)
+        return True
+
+    def _serve(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        while True:
+            if self._replay is not None and poller.poll(0):
+                try:
+                    self._answer_replay()
+                except Exception:  # a malformed request must not stop publishing
+                    logger.exception("KV-event replay request failed")
+            try:
+                item = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                if not self._running:
+                    break
+                continue
+            if item is None:
+                break
+            ts, events = item
+            try:
+                payload = encode_batch(ts, events, self._rank)
+                seq = self.next_seq
+                self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+                self._buffer.append((seq, payload))
+                self.next_seq = seq + 1
+            except Exception:
+                logger.exception("publishing a KV-event batch failed")
+            finally:
+                self._queue.task_done()
+        self._close_sockets()
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("ignoring a KV-event replay request of %d frames", len(frames))
+            return
+        identity, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+
+    def _close_sockets(self) -> None:
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._ctx.term()
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Send what is queued (bounded by `timeout`), then close the sockets."""
+        if not self._running:
+            return
+        self._running = False
+        try:
+            self._queue.put_nowait(None)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+
+def make_publisher(config: KVEventsConfig | None, rank: int = 0) -> ZmqEventPublisher | None:
+    if config is None or not config.active:
+        return None
+    return ZmqEventPublisher(config.for_rank(rank), data_parallel_rank=rank)

@@ -1,0 +1,35 @@
+"""What one schedule() hands the model runner, and the scheduler's counters (vLLM's
+v1/core/sched/output.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.core.request import Request
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    """What the runner needs for one step; nothing in it changes after schedule()."""
+    # Batch order for the runner: running requests, then admissions in admission order.
+    scheduled_requests: list[Request]
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Each scheduled request's block table, copied: a free later in the step cannot touch it.
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Finished (stopped or aborted) since the previous schedule(): the runner drops their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+    # vLLM's meaning: preempted in this step (blocks freed, back to WAITING); a request
+    # may be preempted and readmitted across steps, never within one.
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_free_blocks: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions_total: int
+    generation_tokens_total: int

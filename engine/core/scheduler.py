@@ -1,0 +1,290 @@
+"""vLLM-V1-style scheduler: one token budget per step, RUNNING first, then WAITING;
+prefill and decode are the same thing (computed tokens catching up with tokens)."""
+from __future__ import annotations
+
+import time
+
+from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache import BlockHasher, KVCacheManager
+from engine.core.partial_prefills import LOOKAHEAD, PartialPrefills
+from engine.core.request import Request, RequestStatus
+from engine.core.request_queue import make_request_queue
+from engine.core.sched_output import SchedulerOutput, SchedulerStats
+from engine.core.stop_checker import check_stop
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 enable_kv_events: bool = False) -> None:
+        if cache_config.num_kv_blocks is None:
+            raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
+        if scheduler_config.max_model_len is None:
+            raise ValueError("scheduler_config.max_model_len must be set before building a Scheduler")
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.kv_cache_manager = KVCacheManager(
+            cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+            hasher=BlockHasher(cache_config.prefix_caching_hash_algo),
+            enable_events=enable_kv_events)
+        self.watermark_blocks = cache_config.watermark_blocks
+        self.requests: dict[str, Request] = {}
+        self.waiting = make_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions_total = 0
+        self.generation_tokens_total = 0
+        self.num_steps = 0
+
+    # ---- requests in and out -------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                             f"{self.config.max_model_len} and leaves no room for output")
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
+                        ) -> list[Request]:
+        if isinstance(request_ids, str):
+            request_ids = (request_ids,)
+        finished = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            request.status = status
+            self._free(request)
+            finished.append(request)
+        return finished
+
+    def _free(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting) or bool(self.running)
+
+    # ---- one step -----------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        kv = self.kv_cache_manager
+        self.num_steps += 1
+        token_budget = cfg.max_num_batched_tokens
+        threshold = cfg.long_prefill_token_threshold
+        prefills = PartialPrefills.for_step(cfg)
+        num_scheduled: dict[str, int] = {}
+        scheduled_running: list[Request] = []
+        preempted: list[Request] = []
+
+        running = self.running
+        i = 0
+        while i < len(running) and token_budget > 0:
+            request = running[i]
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = remaining
+            if prefills is not None and remaining > 1:
+                if not prefills.admits(remaining):
+                    i += 1  # keeps its blocks; resumes when a prefill slot frees up
+                    continue
+                num_new = min(num_new, prefills.chunk_cap)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, token_budget, cfg.max_model_len - request.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while True:
+                if kv.allocate_slots(request, num_new) is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = running.index(victim)
+                running.pop(victim_index)
+                if victim.request_id in num_scheduled:
+                    # Already granted this step (priority policy): take the grant back.
+                    token_budget += num_scheduled.pop(victim.request_id)
+                    scheduled_running.remove(victim)
+                if victim_index < i:
+                    i -= 1
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if request.status != RequestStatus.RUNNING:
+                break
+            if prefills is not None and remaining > 1:
+                prefills.take(remaining)
+            num_scheduled[request.request_id] = num_new
+            scheduled_running.append(request)
+            token_budget -= num_new
+            i += 1
+
+        admitted: list[Request] = []
+        # Admitting while preempting would only thrash: whoever was just evicted is
+        # at the head of WAITING and cannot fit anyway.
+        if not preempted:
+            token_budget = self._admit(token_budget, prefills, num_scheduled, admitted)
+
+        # Admission order matters: a later admission may hit prefix blocks that an
+        # earlier one fills in this very step.
+        scheduled = scheduled_running + admitted
+        tables = kv.req_to_block_ids
+        block_ids = {}
+        for request in scheduled:
+            # V1 convention: progress counts what is scheduled, before it is computed.
+            request.num_computed_tokens += num_scheduled[request.request_id]
+            block_ids[request.request_id] = tables[request.request_id].copy()
+        out = SchedulerOutput(
+            scheduled_requests=scheduled,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=cfg.max_num_batched_tokens - token_budget,
+            block_ids=block_ids,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted},
+        )
+        self.finished_req_ids = set()
+        return out
+
+    def _admit(self, token_budget: int, prefills: PartialPrefills | None,
+               num_scheduled: dict[str, int], admitted: list[Request]) -> int:
+        """Move WAITING requests to RUNNING in queue order while budget, seats and blocks
+        last; returns the budget left. With prefill limits, a long prompt that finds the
+        long slots taken is passed over (it keeps its place) and shorter ones behind it
+        may start, looking at most LOOKAHEAD requests past max_num_seqs."""
+        cfg, kv, waiting, running = self.config, self.kv_cache_manager, self.waiting, self.running
+        threshold = cfg.long_prefill_token_threshold
+        candidates = None
+        if prefills is not None:
+            candidates = iter(waiting.head(cfg.max_num_seqs + LOOKAHEAD))
+        while waiting and token_budget > 0 and len(running) < cfg.max_num_seqs:
+            if candidates is None:
+                request = waiting.peek()
+            else:
+                request = next(candidates, None)
+                if request is None or prefills.full():
+                    break
+            hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            remaining = request.num_tokens - num_hit_tokens
+            num_new = remaining
+            if prefills is not None:
+                if not prefills.admits(remaining):
+                    continue
+                num_new = min(num_new, prefills.chunk_cap)
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(num_new, token_budget)
+            if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks) is None:
+                break
+            waiting.remove(request)
+            if prefills is not None:
+                prefills.take(remaining)
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit_tokens
+                request.first_scheduled_time = time.monotonic()
+            if request.num_preemptions:
+                request.resumed_at_step = self.num_steps
+            kv.record_prefix_lookup(request, num_hit_tokens)
+            admitted.append(request)
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = num_hit_tokens
+            running.append(request)
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+        return token_budget
+
+    def _pick_victim(self) -> Request:
+        """Whom to preempt: the policy's last request (fcfs: the latest admitted;
+        priority: the lowest priority, then the latest arrival), which has the least
+        work to lose.
+
+        With `shield_resumed`, a request readmitted after k preemptions is passed over
+        for k steps (the step after its readmission, then longer each time it is
+        preempted again) while a request other than the policy's first is unshielded.
+        Without the shield, a request readmitted with room for only its first chunk
+        evicts itself at its next chunk, every time, until memory frees up (vllm#25538);
+        with it, it gets k chunks to finish its recompute, at the cost of evicting
+        requests with more work done (random workloads that preempt recompute ~16% more
+        tokens on average; tests/test_scheduler.py has the scenario). The policy's first
+        request is never the victim while another runs, so a workload always ends."""
+        running = self.running
+        if self.config.policy == "priority":
+            victim = max(running, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            victim = running[-1]
+        if not self.config.shield_resumed or len(running) == 1:
+            return victim
+        if self.config.policy == "priority":
+            order = sorted(running, key=lambda r: (r.priority, r.arrival_time))
+        else:
+            order = running
+        step = self.num_steps
+        others = order[1:]
+        unshielded = [r for r in others if step - r.resumed_at_step > r.num_preemptions]
+        return (unshielded or others)[-1]
+
+    def _preempt(self, request: Request) -> None:
+        # Progress is only committed at the end of schedule(), so num_computed_tokens
+        # here counts exactly the tokens whose KV exists.
+        self.kv_cache_manager.free(request, num_valid_tokens=request.num_computed_tokens)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.prepend(request)
+
+    # ---- results of a step ----------------------------------------------------
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           sampled_token_ids: dict[str, list[int]]) -> list[Request]:
+        """Append sampled tokens, finish the requests that stop (engine/core/stop_checker.py
+        decides) and free them. Tokens after a stop in the same step are dropped. Returns
+        the requests that got tokens, finished ones included."""
+        updated: list[Request] = []
+        max_model_len = self.config.max_model_len
+        for request in scheduler_output.scheduled_requests:
+            if request.status != RequestStatus.RUNNING:
+                continue  # aborted between schedule() and now
+            new_ids = sampled_token_ids.get(request.request_id)
+            if not new_ids:
+                continue
+            updated.append(request)
+            for token_id in new_ids:
+                request.all_token_ids.append(token_id)
+                self.generation_tokens_total += 1
+                stop = check_stop(request, token_id, max_model_len)
+                if stop is not None:
+                    request.status = stop.status
+                    request.stop_reason = stop.stop_reason
+                    request.finished_on_stop_token = stop.on_stop_token
+                    self.running.remove(request)
+                    self._free(request)
+                    break
+        return updated
+
+    def retry_sampling(self, requests: list[Request]) -> None:
+        """A step computed these requests' tokens but sampled none: step back one token
+        for those due a sample, so the next schedule() recomputes the last token (its K/V
+        is rewritten with the same values) and samples it. Requests mid-prefill were due
+        no sample and keep their progress."""
+        for request in requests:
+            if (request.status == RequestStatus.RUNNING
+                    and request.num_computed_tokens >= request.num_tokens):
+                request.num_computed_tokens = request.num_tokens - 1
+
+    def get_stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running), num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage, num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_stats.queries,
+            prefix_cache_hits=kv.prefix_cache_stats.hits,
+            num_preemptions_total=self.num_preemptions_total,
+            generation_tokens_total=self.generation_tokens_total)

@@ -1,0 +1,200 @@
+"""Megatron-style tensor parallelism for the Llama-family model: which slice of each
+weight a rank keeps, and the layers that join the ranks' partial results.
+
+Per layer: QKV and gate/up are column-parallel (each rank computes its own heads and its
+own MLP columns, no communication), O and down are row-parallel (each rank multiplies its
+slice of the input features, one all-reduce sums the partial outputs). The embedding and
+lm_head are vocab-parallel: each rank holds a contiguous slice of the vocabulary rows;
+embedding rows outside it are zero and the all-reduce fills them in, logits are gathered
+as column blocks. Every rank ends up with the full hidden state after each layer."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import PagedAttention
+from engine.models.layers import Embedding, Linear
+from engine.distributed.group import ParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """One rank's attention heads: q heads [q_start, q_start + num_heads) and KV heads
+    [kv_start, kv_start + num_kv_heads) of the full model."""
+    num_heads: int
+    num_kv_heads: int
+    q_start: int
+    kv_start: int
+
+
+def head_shard(num_heads: int, num_kv_heads: int, world_size: int, rank: int) -> HeadShard:
+    """KV heads are split across ranks while there are at least as many as ranks, and
+    replicated past that (each rank then keeps the one KV head its q heads read), as in
+    vLLM; either way a rank's q heads must all read KV heads it holds."""
+    if num_heads % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide the model's "
+                         f"num_attention_heads ({num_heads})")
+    local_heads = num_heads // world_size
+    if num_kv_heads >= world_size:
+        if num_kv_heads % world_size:
+            raise ValueError(f"tensor_parallel_size {world_size} must divide the model's "
+                             f"num_key_value_heads ({num_kv_heads}) when it is not larger")
+        local_kv = num_kv_heads // world_size
+        return HeadShard(local_heads, local_kv, rank * local_heads, rank * local_kv)
+    if world_size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size {world_size} is larger than the model's "
+                         f"num_key_value_heads ({num_kv_heads}) but not a multiple of it, so "
+                         "the KV heads cannot be replicated evenly")
+    ranks_per_kv_head = world_size // num_kv_heads
+    return HeadShard(local_heads, 1, rank * local_heads, rank // ranks_per_kv_head)
+
+
+def even_slice(size: int, world_size: int, rank: int, what: str) -> tuple[int, int]:
+    if size % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {what} ({size})")
+    part = size // world_size
+    return rank * part, (rank + 1) * part
+
+
+def vocab_slice(vocab_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
+    """(start, end, rows per rank): every rank holds ceil(vocab / N) rows so the logit
+    blocks gather evenly; the last rank's rows past the vocabulary are zero padding."""
+    per_rank = -(-vocab_size // world_size)
+    start = min(rank * per_rank, vocab_size)
+    return start, min(start + per_rank, vocab_size), per_rank
+
+
+def check_shardable(hf_config, world_size: int) -> None:
+    """Raise ValueError, before any worker starts, if the model cannot be split N ways."""
+    num_heads = hf_config.num_attention_heads
+    num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
+    head_shard(num_heads, num_kv, world_size, 0)
+    even_slice(hf_config.intermediate_size, world_size, 0, "intermediate_size")
+
+
+class RowParallelLinear(Linear):
+    """Holds input features [start, end) of the full layer; the all-reduce adds the
+    ranks' partial products. The bias lives on rank 0 only, so it is added once."""
+
+    def __init__(self, full: Linear, start: int, end: int, group: ParallelGroup) -> None:
+        out_features = full.weight.shape[0]
+        super().__init__(end - start, out_features, False, full.weight.dtype)
+        self.weight = _param(full.weight[:, start:end])
+        self.bias = full.bias if group.is_driver else None
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(Embedding):
+    """Rows [start, end) of the table: ids outside give zero rows, which the all-reduce
+    replaces by the owning rank's row (exact: one non-zero term per element)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, end: int, group: ParallelGroup) -> None:
+        nn.Module.__init__(self)
+        self.weight = _param(weight)
+        self.start, self.end = start, end
+        self.group = group
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.start) | (input_ids >= self.end)
+        local_ids = (input_ids - self.start).masked_fill_(outside, 0)
+        rows = F.embedding(local_ids, self.weight)
+        rows.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.all_reduce(rows)
+
+
+class LogitsGather:
+    """The lm_head's column blocks from every rank -> [rows, vocab] on every rank."""
+
+    def __init__(self, group: ParallelGroup, vocab_size: int) -> None:
+        self.group = group
+        self.vocab_size = vocab_size
+
+    def __call__(self, local_logits: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_columns(local_logits)[:, :self.vocab_size]
+
+
+def shard_model(net: nn.Module, group: ParallelGroup) -> HeadShard:
+    """Cut a loaded LlamaForCausalLM down to this rank's slices, in place, and re-pack
+    the smaller weights. Returns the rank's heads (the KV cache is sized from them)."""
+    world, rank = group.world_size, group.rank
+    config = net.config
+    check_shardable(config, world)
+    model = net.model
+    first = model.layers[0].self_attn
+    heads = head_shard(first.num_heads, first.num_kv_heads, world, rank)
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, heads, group)
+        _shard_mlp(layer.mlp, group)
+    _shard_vocab(net, group)
+    model.fused_single_decode = False  # its native plan runs the whole, unsharded layer
+    net.prepack()
+    return heads
+
+
+def _shard_attention(attn: nn.Module, heads: HeadShard, group: ParallelGroup) -> None:
+    d = attn.head_dim
+    q_size, kv_size = attn.num_heads * d, attn.num_kv_heads * d
+    q_rows = (heads.q_start * d, (heads.q_start + heads.num_heads) * d)
+    kv_rows = (heads.kv_start * d, (heads.kv_start + heads.num_kv_heads) * d)
+    # The fused QKV rows are [q | k | v]; this rank's are its q, k and v rows, kept in
+    # that order so the layer's split points still apply.
+    pieces = [q_rows, (q_size + kv_rows[0], q_size + kv_rows[1]),
+              (q_size + kv_size + kv_rows[0], q_size + kv_size + kv_rows[1])]
+    qkv = attn.qkv_proj
+    qkv.weight = _param(torch.cat([qkv.weight[a:b] for a, b in pieces]))
+    if qkv.bias is not None:
+        qkv.bias = _param(torch.cat([qkv.bias[a:b] for a, b in pieces]))
+    attn.o_proj = RowParallelLinear(attn.o_proj, q_rows[0], q_rows[1], group)
+    attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
+    local_q, local_kv = heads.num_heads * d, heads.num_kv_heads * d
+    attn.split = (local_q, local_q + local_kv)
+    attn.attn = PagedAttention(heads.num_heads, heads.num_kv_heads, d)
+
+
+def _shard_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
+    inter = mlp.intermediate_size
+    start, end = even_slice(inter, group.world_size, group.rank, "intermediate_size")
+    gate_up = mlp.gate_up_proj
+    # Fused rows are [gate | up]; the rank keeps the same columns of both.
+    rows = [(start, end), (inter + start, inter + end)]
+    gate_up.weight = _param(torch.cat([gate_up.weight[a:b] for a, b in rows]))
+    if gate_up.bias is not None:
+        gate_up.bias = _param(torch.cat([gate_up.bias[a:b] for a, b in rows]))
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, start, end, group)
+    mlp.intermediate_size = end - start
+
+
+def _shard_vocab(net: nn.Module, group: ParallelGroup) -> None:
+    vocab = net.config.vocab_size
+    start, end, per_rank = vocab_slice(vocab, group.world_size, group.rank)
+    model = net.model
+    embed_rows = model.embed_tokens.weight[start:end]
+    model.embed_tokens = VocabParallelEmbedding(embed_rows, start, end, group)
+    head = embed_rows if net.tie_word_embeddings else net.lm_head_weight[start:end]
+    if net.tie_word_embeddings and end - start == per_rank:
+        net.lm_head_weight = model.embed_tokens.weight  # still one table
+    else:
+        # Zero rows pad the last rank's block to per_rank logits; LogitsGather drops them.
+        padded = torch.zeros(per_rank, head.shape[1], dtype=head.dtype, device=head.device)
+        padded[:end - start] = head
+        net.lm_head_weight = _param(padded)
+    net.gather_logits = LogitsGather(group, vocab)
+
+
+def _param(tensor: torch.Tensor) -> nn.Parameter:
+    # A copy, so the full tensor it was cut from can be freed.
+    return nn.Parameter(tensor.detach().clone().contiguous(), requires_grad=False)
+
+
+def shard_loaded(loaded, group: ParallelGroup):
+    """shard_model on a LoadedModel; the returned copy reports this rank's heads, which
+    is what the KV cache (and its size per token) is built from."""
+    heads = shard_model(loaded.model, group)
+    return dataclasses.replace(loaded, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)

@@ -1,0 +1,83 @@
+"""A tensor-parallel worker process (ranks 1..N-1): load the model, keep this rank's
+shard, then run each forward rank 0 broadcasts until it sends None. It keeps no
+per-request state (rank 0 samples), so finished requests need not reach it."""
+from __future__ import annotations
+
+import ctypes
+import signal
+from dataclasses import dataclass
+
+import torch
+
+from engine.distributed.group import GroupAddress, ParallelGroup
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    address: GroupAddress
+    rank: int
+    model_dir: str
+    dtype: str
+    tokenizer: str | None
+    num_threads: int
+    compute_timeout_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSetup:
+    """Rank 0's resolved KV pool (every rank's pool has the same blocks) and warm-up limits."""
+    num_kv_blocks: int
+    block_size: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+def run_worker(spec: WorkerSpec) -> None:
+    """Entry point of a spawned worker; returns (and the process exits) on rank 0's
+    None, and raises (a non-zero exit) when rank 0 or another rank goes away."""
+    _exit_with_parent()
+    if spec.address.device == "cpu":
+        torch.set_num_threads(spec.num_threads)
+    group = ParallelGroup(spec.address, spec.rank, spec.compute_timeout_s)
+    try:
+        _serve(spec, group)
+    finally:
+        group.close()
+
+
+def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
+    from engine.worker.model_runner import ModelRunner
+    from engine.models import load_model
+    from engine.distributed.sharding import shard_loaded
+    from kernels import dispatch
+
+    loaded = load_model(spec.model_dir, spec.dtype, tokenizer=spec.tokenizer,
+                        device=str(group.device))
+    loaded = shard_loaded(loaded, group)
+    setup = group.receive_step()
+    if setup is None:  # rank 0 gave up before serving (e.g. its KV pool was refused)
+        return
+    assert isinstance(setup, CacheSetup)
+    runner = ModelRunner(loaded, setup.num_kv_blocks, setup.block_size)
+    dispatch.warm_up(runner.kv_caches[0][0], loaded.num_heads, setup.max_model_len,
+                     setup.max_num_batched_tokens)
+    group.barrier()  # ready: rank 0's first step may come
+    with torch.inference_mode():
+        while True:
+            inputs = group.receive_step()
+            if inputs is None:
+                return
+            runner.forward(inputs.to(group.device))
+
+
+def _exit_with_parent() -> None:
+    """Linux: the kernel sends SIGTERM to this worker if rank 0's process dies, even by
+    SIGKILL, when no Python exit handler runs to stop it. (Strictly, when the *thread*
+    that spawned it ends: the engine must be built on the thread that keeps stepping
+    it, which the backend's engine loop does for other reasons too.)"""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, int(signal.SIGTERM))
+    except (OSError, AttributeError):  # not Linux: the broken sockets end the worker instead
+        pass

@@ -1,9 +1,0 @@
-from engine.kv_cache.block_pool import BlockPool, KVBlock
-from engine.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                                    external_hash)
-from engine.kv_cache.hashing import HASH_ALGOS, BlockHash, BlockHasher, update_block_hashes
-from engine.kv_cache.manager import KVCacheManager, PrefixCacheStats
-
-__all__ = ["AllBlocksCleared", "BlockHash", "BlockHasher", "BlockPool", "BlockRemoved",
-           "BlockStored", "HASH_ALGOS", "KVBlock", "KVCacheEvent", "KVCacheManager",
-           "PrefixCacheStats", "external_hash", "update_block_hashes"]

@@ -1,0 +1,1 @@
+"""What the engine records about its work: the workload trace."""

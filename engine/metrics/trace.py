@@ -1,0 +1,119 @@
+"""Workload traces (opt-in `trace_path`): JSON Lines the replay and the tuner read
+(tune/ package). Never text or token ids: a request is its lengths, its prompt's chained
+block hashes (which prompts share prefixes, and how far), its limits and what happened
+to it; a step is what it scheduled and how long it took.
+
+Records, one JSON object a line, times in seconds since the trace began:
+  {"type": "header", "version", "block_size", "model", "dtype", "host", "engine_args"}
+  {"type": "request", "id", "arrival", "prompt_len", "block_hashes", "max_tokens",
+   "min_tokens", "priority", "output_len", "first_token", "finish", "finish_reason",
+   "cancel" (time of the abort, or null), "num_cached_tokens", "num_preemptions"}
+  {"type": "step", "start", "wall", "prefill_tokens", "decode_tokens", "num_prefills",
+   "batch_size", "context_tokens", "preemptions"}
+A request is written when it ends. The file is size-capped: past max_bytes it is moved to
+`<path>.1` (replacing an older one) and a new file with the same header begins.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from engine.core.kv_cache import BlockHasher, external_hash
+from engine.core.request import Request
+from engine.core.sched_output import SchedulerOutput
+
+TRACE_VERSION = 1
+_FALLBACK_HASHER = BlockHasher()
+
+
+def prompt_block_hashes(request: Request, block_size: int) -> list[int]:
+    """Chained hashes of the prompt's full blocks (what prefix caching keys on), as the
+    64-bit integers KV events carry, so any hash algorithm writes JSON numbers."""
+    count = request.num_prompt_tokens // block_size
+    hashes = request.block_hashes[:count]
+    if len(hashes) < count:  # prefix caching off: nothing hashed them
+        hashes = _FALLBACK_HASHER.chain(request.prompt_token_ids, block_size, request.cache_salt)
+    return [external_hash(h) if isinstance(h, bytes) else h for h in hashes]
+
+
+def step_features(out: SchedulerOutput) -> dict[str, int]:
+    """What a step's time depends on, from its schedule, read before update_from_output
+    (num_computed_tokens already counts the step's tokens, num_tokens not yet the
+    sampled one). A decode is one token that completes its sequence; anything else is a
+    prefill chunk."""
+    prefill = decode = num_prefills = context = 0
+    for request in out.scheduled_requests:
+        n = out.num_scheduled_tokens[request.request_id]
+        context += request.num_computed_tokens
+        if n == 1 and request.num_computed_tokens >= request.num_tokens:
+            decode += 1
+        else:
+            prefill += n
+            num_prefills += 1
+    return {"prefill_tokens": prefill, "decode_tokens": decode, "num_prefills": num_prefills,
+            "batch_size": len(out.scheduled_requests), "context_tokens": context}
+
+
+class TraceRecorder:
+    def __init__(self, path: str | os.PathLike, max_bytes: int, header: dict[str, Any]) -> None:
+        self.path = Path(path)
+        self.max_bytes = max_bytes
+        self.block_size = header["block_size"]
+        self._origin = time.monotonic()
+        self._header = {"type": "header", "version": TRACE_VERSION,
+                        "origin_wall_time": time.time(), **header}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = None
+        self._open()
+        self._first_token: dict[str, float] = {}
+
+    def _open(self) -> None:
+        self._file = open(self.path, "w", encoding="utf-8", buffering=1 << 16)
+        self._write(self._header)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+        if self._file.tell() > self.max_bytes:
+            self._file.close()
+            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+            self._open()
+
+    def now(self) -> float:
+        return time.monotonic() - self._origin
+
+    def step(self, features: dict[str, int], start: float, wall: float,
+             preemptions: int) -> None:
+        """features: step_features of the step's schedule; `start` from now(); `wall`
+        seconds; `preemptions` during its schedule()."""
+        self._write({"type": "step", "start": round(start, 6), "wall": round(wall, 6),
+                     **features, "preemptions": preemptions})
+
+    def first_token(self, request: Request) -> None:
+        self._first_token.setdefault(request.request_id, self.now())
+
+    def finished(self, request: Request, cancelled: bool = False) -> None:
+        now = self.now()
+        params = request.sampling_params
+        self._write({
+            "type": "request", "id": request.request_id,
+            "arrival": round(request.arrival_time - self._origin, 6),
+            "prompt_len": request.num_prompt_tokens,
+            "block_hashes": prompt_block_hashes(request, self.block_size),
+            "max_tokens": request.max_tokens, "min_tokens": params.min_tokens,
+            "priority": request.priority, "output_len": request.num_output_tokens,
+            "first_token": _rounded(self._first_token.pop(request.request_id, None)),
+            "finish": round(now, 6), "finish_reason": request.finish_reason,
+            "cancel": round(now, 6) if cancelled else None,
+            "num_cached_tokens": max(request.num_cached_tokens, 0),
+            "num_preemptions": request.num_preemptions})
+
+    def close(self) -> None:
+        if self._file is not None and not self._file.closed:
+            self._file.close()
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)

@@ -1,0 +1,54 @@
+"""What the engine hands back per request: RequestOutput with one CompletionOutput per
+sequence, and the request's timing (vLLM's vllm/outputs.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    # One dict per generated token: {token_id: logprob}, sampled token first.
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    # vLLM's meaning: the stop string, the stop_token_ids entry (None for EOS), or here
+    # also the stop_token_sequences entry that ended the output.
+    stop_reason: int | str | list[int] | None = None
+    # Ended by an EOS / stop_token_ids id, the last of token_ids (TensorRT-LLM drops it).
+    finished_on_stop_token: bool = False
+    # What is new since the previous output of this request (for streaming): the tokens
+    # whose text is released (whole characters, no possible stop-string start), that
+    # text, and those tokens' logprobs. A finished output releases everything.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[dict[int, float]] | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    arrival_time: float  # time.monotonic() clock, as Request.arrival_time
+    first_scheduled_time: float | None
+
+    @property
+    def time_in_queue(self) -> float | None:
+        """Arrival until first admission (vLLM's request_queue_time_seconds)."""
+        if self.first_scheduled_time is None:
+            return None
+        return max(0.0, self.first_scheduled_time - self.arrival_time)

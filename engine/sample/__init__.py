@@ -1,0 +1,1 @@
+"""Turning a step's logits into tokens: per-step sampling tensors and the sampler."""

@@ -1,0 +1,1 @@
+"""Structured outputs with xgrammar: grammar compiling and following, and the sampler's token mask."""

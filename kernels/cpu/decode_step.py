@@ -1,0 +1,137 @@
+"""One decode step of a single sequence through the whole layer stack in one native call
+(kernels/cpu/decode_step.c): bit-equal to the layer-by-layer path, without its ~10
+Python-level kernel calls a layer.
+
+The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
+cache); a step then passes the token's embedding, position, slot and block table.
+Applies to float32 activations on CPU with dense float32 or GGUF Q4_0/Q4_1/Q8_0
+weights; `plan` returns None otherwise and the caller keeps its own path.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from kernels.cpu import native as cpu_native
+from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("type", _I64), ("weight", _P), ("scales", _P), ("offsets", _P), ("bias", _P),
+                ("n", _I64), ("k", _I64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("input_norm", _P), ("post_norm", _P), ("key_cache", _P), ("value_cache", _P)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64),
+                ("num_kv_heads", _I64), ("head_dim", _I64), ("rot_half", _I64), ("inter", _I64),
+                ("block_size", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("cos_table", _P), ("sin_table", _P), ("final_norm", _P),
+                ("layers", ctypes.POINTER(_Layer))]
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_native.load_library()
+    if lib is None:
+        return None
+    lib.decode_step_scratch_floats.restype = _I64
+    lib.decode_step_scratch_floats.argtypes = [ctypes.POINTER(_Model)]
+    lib.decode_step_f32.restype = _I32
+    lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32,
+                                    _I32, _I32]
+    return lib
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer as the kernel sees it: each matmul a float32 [out, in] tensor or
+    a GgufWeight, with an optional float32 bias."""
+    qkv: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
+    o: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
+    gate_up: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
+    down: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+
+
+def _float32_cpu(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
+
+
+def _linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None) -> _Linear | None:
+    if not _float32_cpu(bias):
+        return None
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if isinstance(weight, GgufWeight):
+        if not weight.qs.is_cpu or weight.type_name not in FORMATS:
+            return None
+        type_id, qs, d, offset, n, k = weight.kernel_args
+        return _Linear(type_id, qs, d, offset or None, bias_ptr, n, k)
+    if not _float32_cpu(weight) or weight.dim() != 2:
+        return None
+    return _Linear(-1, weight.data_ptr(), None, None, bias_ptr, weight.shape[0], weight.shape[1])
+
+
+class DecodeStepPlan:
+    """The descriptors and scratch of one model over one KV cache; holds references to
+    every tensor it points at."""
+
+    def __init__(self, model: _Model, keep: list, scratch: torch.Tensor) -> None:
+        self._model, self._keep, self._scratch = model, keep, scratch
+        self.hidden = model.hidden
+
+    def run(self, embedding: torch.Tensor, position: int, slot: int, block_table: torch.Tensor,
+            seq_len: int) -> torch.Tensor | None:
+        """[1, hidden] float32 final-norm output for the token whose embedding is given,
+        writing its K/V at `slot`; None if a kernel refused (the caller's path reruns)."""
+        lib = _library()
+        out = torch.empty(1, self.hidden, dtype=torch.float32)
+        status = lib.decode_step_f32(ctypes.byref(self._model), embedding.data_ptr(),
+                                     out.data_ptr(), self._scratch.data_ptr(), position, slot,
+                                     block_table.data_ptr(), block_table.shape[-1], seq_len,
+                                     torch.get_num_threads())
+        return out if status == 0 else None
+
+
+def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
+         rot_half: int, eps: float, scale: float, cos_table: torch.Tensor,
+         sin_table: torch.Tensor, final_norm: torch.Tensor) -> DecodeStepPlan | None:
+    """None when the fused step does not apply (no library, a bf16 or GPU tensor, a
+    weight format the kernel lacks); the layer-by-layer path then serves."""
+    if _library() is None or not layers:
+        return None
+    if not all(_float32_cpu(t) for t in (cos_table, sin_table, final_norm)):
+        return None
+    block_size = layers[0].key_cache.shape[1]
+    table = (_Layer * len(layers))()
+    for entry, layer in zip(table, layers):
+        linears = [_linear(*pair) for pair in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        caches = (layer.key_cache, layer.value_cache)
+        if (any(lin is None for lin in linears) or not all(map(_float32_cpu, caches))
+                or not _float32_cpu(layer.input_norm) or not _float32_cpu(layer.post_norm)
+                or layer.key_cache.shape[1] != block_size):
+            return None
+        entry.qkv, entry.o, entry.gate_up, entry.down = linears
+        entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+        entry.key_cache, entry.value_cache = (c.data_ptr() for c in caches)
+    hidden = final_norm.shape[0]
+    down = layers[0].down[0]
+    inter = down.in_features if isinstance(down, GgufWeight) else down.shape[1]
+    model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
+                   block_size, eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),
+                   final_norm.data_ptr(), table)
+    scratch = torch.empty(_library().decode_step_scratch_floats(ctypes.byref(model)),
+                          dtype=torch.float32)
+    return DecodeStepPlan(model, [table, layers, cos_table, sin_table, final_norm], scratch)

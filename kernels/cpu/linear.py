@@ -1,0 +1,92 @@
+"""Native CPU matmuls for few rows (kernels/cpu/linear_f32.c) and for GGUF-quantized
+weights (kernels/cpu/linear_quant.c), loaded with the other C kernels (cpu_native).
+
+Each function returns None when it does not apply (no library, dtype, layout, device);
+kernels.dispatch then runs the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+from functools import lru_cache
+
+import torch
+
+from kernels.cpu import native as cpu_native
+from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "linear_f32_rows": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I32]),
+    "linear_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
+    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
+}
+
+
+@lru_cache(maxsize=1)
+def _library() -> ctypes.CDLL | None:
+    lib = cpu_native.load_library()
+    if lib is None:
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear_f32_rows(x: torch.Tensor, weight: torch.Tensor,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + b for a 2-D float32 x on CPU; None if not applicable."""
+    lib = _library()
+    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or not x.is_cpu or not weight.is_cpu or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    x = x.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=torch.float32)
+    lib.linear_f32_rows(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k,
+                        torch.get_num_threads())
+    return out
+
+
+def linear_gguf(x: torch.Tensor, weight: GgufWeight,
+                bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + b with W in its GGUF codes (x quantized to int8 per 32-block inside the
+    kernel, as llama.cpp does), output in x's dtype; None if not applicable."""
+    lib = _library()
+    # is_cpu, not device.type, and sizes as arguments: ~120 calls a decode step, where
+    # building device objects and shape tuples costs more than the small layers' math.
+    if (lib is None or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)
+            or not x.is_cpu or x.shape[1] != weight.in_features
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    is_bf16 = int(x.dtype == torch.bfloat16)
+    status = lib.linear_gguf(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0], _ptr(bias),
+                             out.data_ptr(), is_bf16, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def dequantize_rows(weight: GgufWeight, row_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """float32 [len(row_ids), in_features]: rows of a quantized table (an embedding lookup;
+    the caller checks the ids are in range), or the whole table when row_ids is None."""
+    lib = _library()
+    if lib is None or not weight.qs.is_cpu:
+        return None
+    ids = None if row_ids is None else row_ids.to(torch.int64).contiguous()
+    rows = weight.out_features if ids is None else ids.numel()
+    out = torch.empty(rows, weight.in_features, dtype=torch.float32)
+    status = lib.dequantize_rows_gguf(FORMATS[weight.type_name][0], weight.qs.data_ptr(),
+                                      weight.d.data_ptr(), _ptr(weight.offset), weight.in_features,
+                                      _ptr(ids), rows, out.data_ptr(), torch.get_num_threads())
+    return out if status == 0 else None

@@ -1,0 +1,69 @@
+"""Paged attention for query chunks of any length (prefill, chunked prefill, prefix hits).
+
+Grid (sequence, KV head, query tile). A tile holds BLOCK_Q consecutive query tokens
+times all GROUP query heads of one KV head, as BLOCK_M = BLOCK_Q * GROUP_P2 rows, so
+K/V tiles are shared across the group. Keys come from the paged cache (the chunk's
+own K/V was written there first) and stop at the tile's last query position; the
+causal mask is aligned bottom-right: query j sits at seq_len - query_len + j.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from kernels.triton.common import dot, load_kv_tile, online_softmax_update
+
+
+@triton.jit(do_not_specialize=["block_table_stride"])  # see decode_partition_kernel
+def prefill_attention_kernel(
+        query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
+        seq_lens_ptr, out_ptr, scale_log2, query_stride_token, query_stride_head,
+        block_table_stride,
+        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
+        GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+        FP32_DOT: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    q_tile = tl.program_id(2)
+    first_row = tl.load(query_start_loc_ptr + seq)
+    query_len = tl.load(query_start_loc_ptr + seq + 1) - first_row
+    if q_tile * BLOCK_Q >= query_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - query_len
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_P2)
+    tokens = q_tile * BLOCK_Q + rows // GROUP_P2
+    groups = rows % GROUP_P2
+    heads = kv_head * GROUP + groups
+    dims = tl.arange(0, DIM_P2)
+    row_valid = (tokens < query_len) & (groups < GROUP)
+    io_mask = row_valid[:, None] & (dims < HEAD_DIM)[None, :]
+    io_rows = (first_row + tokens).to(tl.int64)
+    query = tl.load(query_ptr + io_rows[:, None] * query_stride_token
+                    + heads[:, None] * query_stride_head + dims[None, :], mask=io_mask, other=0.0)
+    query_positions = context_len + tokens
+    table_row = block_tables_ptr + seq.to(tl.int64) * block_table_stride
+    # Keys past the tile's last query token are never attended.
+    kv_end = context_len + tl.minimum(query_len, (q_tile + 1) * BLOCK_Q)
+
+    running_max = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
+    running_sum = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_P2, DIM_P2], tl.float32)
+    # Every row may attend position 0, so after the first tile no row's max is -inf.
+    for tile_start in range(0, kv_end, BLOCK_N):
+        positions = tile_start + tl.arange(0, BLOCK_N)
+        valid = positions < kv_end
+        keys = load_kv_tile(key_cache_ptr, table_row, positions, valid, kv_head, dims,
+                            BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        scores = dot(query, tl.trans(keys), FP32_DOT) * scale_log2
+        allowed = valid[None, :] & (positions[None, :] <= query_positions[:, None])
+        scores = tl.where(allowed, scores, float("-inf"))
+        values = load_kv_tile(value_cache_ptr, table_row, positions, valid, kv_head, dims,
+                              BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        acc, running_max, running_sum = online_softmax_update(scores, values, acc, running_max,
+                                                              running_sum, FP32_DOT)
+    acc = acc / running_sum[:, None]
+    tl.store(out_ptr + (io_rows[:, None] * NUM_HEADS + heads[:, None]) * HEAD_DIM + dims[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=io_mask)
