@@ -29,8 +29,6 @@ class BackendOptions:
     # and the last response go out at once, the rest every this many tokens. 1 = every
     # step that produced text; more means fewer response round trips through Triton.
     stream_interval: int = 1
-    # Test-only: the engine loop raises outside engine.step() after this many steps.
-    inject_loop_failure_at_step: int = 0
 
 
 # config.pbtxt key -> BackendOptions field; every number among them must be >= 0
@@ -40,7 +38,6 @@ _BACKEND_KEYS = {
     "DRAIN_TIMEOUT_S": "drain_timeout_s",
     "MAX_QUEUE_LEN": "max_queue_len",
     "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
-    "INJECT_LOOP_FAILURE_AT_STEP": "inject_loop_failure_at_step",
     "stream_interval": "stream_interval",  # vLLM's name, as in model.json
 }
 _OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}

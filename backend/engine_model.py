@@ -19,6 +19,7 @@ from backend.metrics import NullMetrics, TritonMetrics
 from backend.model_json import read_model_json
 from backend.request_parsing import InvalidRequest
 from backend.response_worker import ResponseWorker
+from engine.faults import take_fault_parameters
 
 
 class EngineModel:
@@ -32,8 +33,10 @@ class EngineModel:
         self.model_name = args["model_name"]
         # args["model_repository"] is this model's folder; model.json sits in the version's.
         model_json = read_model_json(Path(args["model_repository"]) / str(args["model_version"]))
+        # A test model's failure switches (engine/faults.py); never engine arguments.
+        faults, params = take_fault_parameters(triton_io.model_parameters(config))
         engine_config, self.options = split_parameters(
-            triton_io.model_parameters(config), model_json,
+            params, model_json,
             log=lambda line: triton_io.log_info(f"{self.model_name}: {line}"))
         engine_config = place_instance(engine_config, args)
         self.input_names = triton_io.input_names(config)
@@ -45,10 +48,10 @@ class EngineModel:
                    if self.options.report_custom_metrics else NullMetrics())
         self._worker = ResponseWorker(metrics)
         try:
-            self._loop = EngineLoop(lambda: LLMEngine(engine_config), self._worker,
+            self._loop = EngineLoop(lambda: LLMEngine(engine_config, faults=faults), self._worker,
                                     collect_metrics=self.options.report_custom_metrics,
                                     max_queue_len=self.options.max_queue_len,
-                                    fail_at_step=self.options.inject_loop_failure_at_step,
+                                    fail_at_step=faults.loop_step,
                                     on_death=self._on_engine_death)
         except BaseException:
             self._worker.stop()

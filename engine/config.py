@@ -10,10 +10,6 @@ from engine.core.kv_cache.publisher import KVEventsConfig
 from engine.values import convert
 
 POLICIES = ("fcfs", "priority")
-# The KV pool on a CPU when no size is given (vLLM's CPU backend takes
-# VLLM_CPU_KVCACHE_SPACE, 4 GiB by default; a 2-core host rarely fills 2).
-CPU_KV_CACHE_BYTES = 2 * 1024**3
-DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 QUANTIZATIONS = (None, "gguf")
 
@@ -64,8 +60,8 @@ class CacheConfig:
     block_size: int = 16
     # None: derived from kv_cache_memory_bytes once the model shape is known.
     num_kv_blocks: int | None = None
-    # None: CPU_KV_CACHE_BYTES on a CPU; on a GPU what gpu_memory_utilization leaves once
-    # the weights and a profiled forward are in (engine/worker/gpu_memory.py).
+    # None: 2 GiB on a CPU; on a GPU what gpu_memory_utilization leaves once the weights
+    # and a profiled forward are in (engine/worker/kv_pool.py sizes the pool).
     kv_cache_memory_bytes: int | None = None
     # vLLM's meaning: the share of the GPU's memory this engine may use in all (weights,
     # activations, KV pool). None: 0.9. Ignored on a CPU, as vLLM's CPU backend does.
@@ -140,8 +136,6 @@ class EngineConfig:
     # instance_group count > 1), as vLLM's data-parallel rank: it tags KV-event batches and
     # offsets their ports. Set by the backend, not by users.
     data_parallel_rank: int = 0
-    # Test-only: the model runner raises at this (1-based) engine step, once.
-    inject_failure_at_step: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

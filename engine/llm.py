@@ -6,6 +6,7 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from engine.config import EngineConfig
+from engine.faults import FaultPlan
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -14,8 +15,10 @@ Prompt = str | list[int]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **engine_args}))
+    def __init__(self, model: str | None = None, faults: FaultPlan | None = None,
+                 **engine_args) -> None:
+        self.llm_engine = LLMEngine(EngineConfig.from_dict({"model": model, **engine_args}),
+                                    faults=faults)
         self._next_id = 0
 
     def get_tokenizer(self):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from backend.config_params import split_parameters
+from engine.faults import FaultPlan, take_fault_parameters
 
 
 def test_engine_and_backend_parameters_are_split():
@@ -27,13 +28,25 @@ def test_bad_parameter_is_named(params, fragment):
 
 
 def test_admission_and_health_options():
-    _, options = split_parameters({"MAX_QUEUE_LEN": "8", "ENABLE_VLLM_HEALTH_CHECK": "true",
-                                   "INJECT_LOOP_FAILURE_AT_STEP": "3"})
+    _, options = split_parameters({"MAX_QUEUE_LEN": "8", "ENABLE_VLLM_HEALTH_CHECK": "true"})
     assert options.max_queue_len == 8 and options.enable_health_check
-    assert options.inject_loop_failure_at_step == 3
     _, defaults = split_parameters({})
     assert defaults.max_queue_len == 1024 and not defaults.enable_health_check
-    assert defaults.inject_loop_failure_at_step == 0
+
+
+def test_fault_parameters_are_taken_before_the_engine_and_backend_see_the_rest():
+    """A test model's failure switches never reach EngineConfig or BackendOptions."""
+    plan, rest = take_fault_parameters({"INJECT_LOOP_FAILURE_AT_STEP": "3",
+                                        "inject_failure_at_step": "5", "max_num_seqs": "4"})
+    assert plan == FaultPlan(model_step=5, loop_step=3) and rest == {"max_num_seqs": "4"}
+    assert take_fault_parameters({}) == (FaultPlan(), {})
+    with pytest.raises(ValueError, match="INJECT_LOOP_FAILURE_AT_STEP"):
+        take_fault_parameters({"INJECT_LOOP_FAILURE_AT_STEP": "soon"})
+    with pytest.raises(ValueError, match="model_step"):
+        FaultPlan(model_step=-1)
+    # Only through that seam: as engine or backend parameters they are unknown.
+    with pytest.raises(ValueError, match="inject_failure_at_step"):
+        split_parameters({"inject_failure_at_step": "5"})
 
 
 @pytest.mark.parametrize("key,value", [("MAX_QUEUE_LEN", "-1"), ("MAX_QUEUE_LEN", "many"),

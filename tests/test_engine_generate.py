@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.faults import FaultPlan
 from tests.tiny_model import make_tiny_model_dir
 
 PROMPTS = [
@@ -283,7 +284,8 @@ def test_stop_token_sequences_through_the_engine(tiny):
 
 def test_abort_frees_blocks_and_failure_switch_aborts_the_step(tiny):
     from engine.llm_engine import EngineStepError
-    llm = LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=512, inject_failure_at_step=3)
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=512,
+              faults=FaultPlan(model_step=3))
     engine = llm.llm_engine
     engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.add_request("y", PROMPTS[1], SamplingParams(max_tokens=50, ignore_eos=True))
@@ -309,7 +311,7 @@ def test_failure_switch_counts_serving_steps_only(tiny):
     from engine.llm_engine import EngineStepError
     # Warm-up runs two batches through the runner before serving; they must not count.
     engine = LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=512,
-                 inject_failure_at_step=1).llm_engine
+                 faults=FaultPlan(model_step=1)).llm_engine
     engine.add_request("x", PROMPTS[0], SamplingParams(max_tokens=4))
     with pytest.raises(EngineStepError):
         engine.step()

@@ -3,6 +3,7 @@ deltas per sequence, aborts and failures of the whole family."""
 import pytest
 
 from engine import LLM, LLMEngine, SamplingParams
+from engine.faults import FaultPlan
 from engine.llm_engine import EngineStepError
 from engine.output.parallel_sampling import child_seed, fan_out
 from engine.sampling_params import SEED_MAX
@@ -115,7 +116,7 @@ def test_abort_of_the_parent_ends_every_sequence_and_frees_every_block(tiny):
 
 def test_a_failed_step_fails_the_request_once_by_its_own_id(tiny):
     engine = LLMEngine(model=tiny, dtype="float32", num_kv_blocks=256, block_size=BLOCK,
-                       inject_failure_at_step=3)
+                       faults=FaultPlan(model_step=3))
     engine.add_request("p", PROMPT_IDS, SamplingParams(n=3, **SAMPLED))
     engine.add_request("q", "Hi", SamplingParams(max_tokens=8))
     engine.step()

@@ -36,12 +36,18 @@ class Scheduler:
         self.num_steps = 0
 
     # ---- requests in and out -------------------------------------------------
+    def check_new_request(self, request_id: str, num_prompt_tokens: int) -> None:
+        """What add_request refuses, for a caller to ask before it builds the request."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt is empty")
+        if num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens, which does not leave room "
+                             f"for output within max_model_len={self.config.max_model_len}")
+
     def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens >= self.config.max_model_len:
-            raise ValueError(f"prompt has {request.num_prompt_tokens} tokens; max_model_len is "
-                             f"{self.config.max_model_len} and leaves no room for output")
+        self.check_new_request(request.request_id, request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 

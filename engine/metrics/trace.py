@@ -69,6 +69,9 @@ class TraceRecorder:
         self._file = None
         self._open()
         self._first_token: dict[str, float] = {}
+        self._step_start = 0.0
+        self._step_preemptions = 0
+        self._step_features: dict[str, int] | None = None
 
     def _open(self) -> None:
         self._file = open(self.path, "w", encoding="utf-8", buffering=1 << 16)
@@ -84,15 +87,32 @@ class TraceRecorder:
     def now(self) -> float:
         return time.monotonic() - self._origin
 
-    def step(self, features: dict[str, int], start: float, wall: float,
-             preemptions: int) -> None:
-        """features: step_features of the step's schedule; `start` from now(); `wall`
-        seconds; `preemptions` during its schedule()."""
-        self._write({"type": "step", "start": round(start, 6), "wall": round(wall, 6),
-                     **features, "preemptions": preemptions})
+    # One engine step, in its order: started -> scheduled (before update_from_output,
+    # which step_features must not see) -> updated -> ended. A step that scheduled
+    # nothing is not recorded.
+    def step_started(self, num_preemptions_total: int) -> None:
+        self._step_start = self.now()
+        self._step_preemptions = num_preemptions_total
+        self._step_features = None
 
-    def first_token(self, request: Request) -> None:
-        self._first_token.setdefault(request.request_id, self.now())
+    def step_scheduled(self, out: SchedulerOutput) -> None:
+        self._step_features = step_features(out)
+
+    def requests_updated(self, requests: list[Request]) -> None:
+        for request in requests:
+            self._first_token.setdefault(request.request_id, self.now())
+            if request.is_finished:
+                self.finished(request)
+
+    def step_ended(self, num_preemptions_total: int) -> None:
+        """The step's time includes building its outputs."""
+        if self._step_features is None:
+            return
+        start = self._step_start
+        self._write({"type": "step", "start": round(start, 6),
+                     "wall": round(self.now() - start, 6), **self._step_features,
+                     "preemptions": num_preemptions_total - self._step_preemptions})
+        self._step_features = None
 
     def finished(self, request: Request, cancelled: bool = False) -> None:
         now = self.now()
@@ -113,6 +133,28 @@ class TraceRecorder:
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
             self._file.close()
+
+
+class NullTrace:
+    """Tracing off: the engine calls the same hooks, which do nothing."""
+
+    def step_started(self, num_preemptions_total: int) -> None:
+        pass
+
+    def step_scheduled(self, out: SchedulerOutput) -> None:
+        pass
+
+    def requests_updated(self, requests: list[Request]) -> None:
+        pass
+
+    def step_ended(self, num_preemptions_total: int) -> None:
+        pass
+
+    def finished(self, request: Request, cancelled: bool = False) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def _rounded(value: float | None) -> float | None:

@@ -6,14 +6,15 @@ from typing import Callable
 
 import torch
 
-from engine.worker import host_memory
-from engine.worker.cuda_graphs import DecodeGraphs
+from engine.core.request import Request
+from engine.core.sched_output import SchedulerOutput
+from engine.faults import FaultPlan, InjectedFailure
 from engine.models import AttentionMetadata
 from engine.models.loader import LoadedModel
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
 from engine.sample.sampler import Sampler
-from engine.core.sched_output import SchedulerOutput
+from engine.sampling_params import SamplingParams
+from engine.worker import host_memory
+from engine.worker.cuda_graphs import DecodeGraphs
 from kernels import dispatch
 
 
@@ -48,13 +49,9 @@ class StepInputs:
         return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows)
 
 
-class InjectedFailure(RuntimeError):
-    """Raised by the test-only failure switch."""
-
-
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int,
-                 seed: int = 0, inject_failure_at_step: int = 0,
+                 seed: int = 0, faults: FaultPlan = FaultPlan(),
                  send_step: Callable[[StepInputs], None] | None = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
@@ -66,7 +63,7 @@ class ModelRunner:
                            host_memory.zeros(shape, loaded.dtype, self.device))
                           for _ in range(loaded.num_layers)]
         self.sampler = Sampler(seed)
-        self.inject_failure_at_step = inject_failure_at_step
+        self.fail_at_step = faults.model_step
         self.num_steps = 0
         self.decode_graphs: DecodeGraphs | None = None
         # Tensor parallelism: hands each step's inputs to the workers before this rank
@@ -96,7 +93,7 @@ class ModelRunner:
         if not requests:
             return RunnerOutput({}, {})
         self.num_steps += 1
-        if self.num_steps == self.inject_failure_at_step:
+        if self.num_steps == self.fail_at_step:
             raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
         inputs = StepInputs(input_ids, positions, meta, sample_rows if sample_reqs else None)
@@ -218,8 +215,8 @@ class ModelRunner:
         dispatch.warm_up(self.kv_caches[0][0], self.loaded.num_heads, max_model_len,
                          max_num_tokens)
         bs = self.block_size
-        # The test-only failure switch counts serving steps only.
-        inject, self.inject_failure_at_step = self.inject_failure_at_step, 0
+        # A FaultPlan counts serving steps only.
+        fail_at, self.fail_at_step = self.fail_at_step, 0
         prefill_len = min(max_num_tokens, 4 * bs)
         num_decodes = max(1, min(max_num_seqs, max_num_tokens - prefill_len))
         prefill = [Request("warm-up-prefill", [0] * prefill_len)]
@@ -234,4 +231,4 @@ class ModelRunner:
                 block_ids={r.request_id: list(range(-(-r.num_tokens // bs))) for r in batch}))
             for request in batch:
                 self.sampler.free(request.request_id)
-        self.num_steps, self.inject_failure_at_step = 0, inject
+        self.num_steps, self.fail_at_step = 0, fail_at

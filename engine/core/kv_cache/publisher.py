@@ -127,6 +127,8 @@ class ZmqEventPublisher:
     """PUB socket plus replay ROUTER, served by one thread so that ZMQ sockets stay on the
     thread that made them and the engine thread only enqueues."""
 
+    enabled = True
+
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
         import zmq
 
@@ -243,7 +245,23 @@ class ZmqEventPublisher:
         self._thread.join(timeout)
 
 
-def make_publisher(config: KVEventsConfig | None, rank: int = 0) -> ZmqEventPublisher | None:
+class NullEventPublisher:
+    """KV events off: the engine publishes every step without asking whether anyone listens."""
+
+    enabled = False
+
+    def publish(self, events: list[KVCacheEvent]) -> None:
+        pass
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        return True
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        pass
+
+
+def make_publisher(config: KVEventsConfig | None,
+                   rank: int = 0) -> ZmqEventPublisher | NullEventPublisher:
     if config is None or not config.active:
-        return None
+        return NullEventPublisher()
     return ZmqEventPublisher(config.for_rank(rank), data_parallel_rank=rank)

@@ -1,0 +1,117 @@
+"""What LLMEngine is made of, built in order: CPU threads, the model (split over the
+tensor-parallel ranks), the KV pool's size, the runner and the scheduler, warm-up and
+CUDA graphs, the grammar compiler, the trace and the KV-event publisher. A failure half-way
+stops whatever had started (the workers, the event sockets)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core.kv_cache.publisher import NullEventPublisher, ZmqEventPublisher, make_publisher
+from engine.core.scheduler import Scheduler
+from engine.faults import FaultPlan
+from engine.metrics.trace import NullTrace, TraceRecorder
+from engine.models import load_model
+from engine.structured_output.grammar import GrammarCompiler
+from engine.worker.cpu_threads import ThreadGovernor, configure_threads
+from engine.worker.kv_pool import resolve_kv_pool
+from engine.worker.model_runner import ModelRunner
+from kernels.cpu import features as cpu_features
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineParts:
+    config: EngineConfig  # resolved: max_model_len and num_kv_blocks filled in
+    loaded: Any           # engine.models.loader.LoadedModel (rank 0's shard under TP)
+    runner: ModelRunner
+    scheduler: Scheduler
+    grammar_compiler: GrammarCompiler
+    trace: TraceRecorder | NullTrace
+    kv_events: ZmqEventPublisher | NullEventPublisher
+    threads: ThreadGovernor | None
+    tensor_parallel: Any  # engine.distributed.executor.TensorParallelExecutor or None
+
+
+def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
+    tp_size = config.tensor_parallel_size
+    num_cpus = cpu_features.detect().num_cpus
+    # Ranks share the CPUs: each gets its part, fixed (the governor would count the
+    # other ranks as busy neighbours and shrink every rank to one thread).
+    num_threads = (config.num_threads or max(1, num_cpus // tp_size)) if tp_size > 1 \
+        else config.num_threads
+    threads = configure_threads(num_threads, num_cpus, config.torch_device)
+    loaded = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
+                        device=config.torch_device, quantization=config.quantization)
+    tensor_parallel = kv_events = None
+    try:  # from here a failure must also stop the workers and close the sockets
+        if tp_size > 1:
+            # After this rank's load, so a model that cannot be split fails before any starts.
+            from engine.distributed.executor import TensorParallelExecutor
+            tensor_parallel = TensorParallelExecutor(config, loaded.hf_config,
+                                                     str(loaded.model_dir), num_threads)
+            loaded = tensor_parallel.shard(loaded)
+        config = resolve_kv_pool(config, loaded)
+        sched_cfg, cache_cfg = config.scheduler, config.cache
+        send_step = None
+        if tensor_parallel is not None:
+            from engine.distributed.worker import CacheSetup
+            tensor_parallel.start(CacheSetup(cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                                             sched_cfg.max_num_batched_tokens,
+                                             sched_cfg.max_model_len))
+            send_step = tensor_parallel.send_step
+        runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
+                             seed=config.seed, faults=faults, send_step=send_step)
+        kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
+        if kv_events.enabled and cache_cfg.prefix_caching_hash_algo == "builtin":
+            logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
+                           "indexer cannot recompute these keys from tokens; use sha256_cbor")
+        scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events.enabled)
+        warm_start = time.perf_counter()
+        runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
+                       sched_cfg.max_model_len)
+        # CUDA graphs replay one rank's kernels; the all-reduces between them are not
+        # captured here, so tensor-parallel decode steps run eagerly.
+        if runner.device.type == "cuda" and not config.enforce_eager and tp_size == 1:
+            runner.use_decode_graphs(sched_cfg.max_num_seqs, sched_cfg.max_model_len,
+                                     capture=True)
+        warm_up_s = time.perf_counter() - warm_start
+        # Load and warm-up span a long window: a busy neighbour is seen before the first step.
+        if threads is not None:
+            threads.adapt()
+        # Also called by the backend on Triton's execute thread (see GrammarCompiler).
+        grammar_compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size,
+                                           tuple(loaded.eos_token_ids))
+        trace = open_trace(config, loaded)
+    except BaseException:
+        if tensor_parallel is not None:
+            tensor_parallel.close()
+        if kv_events is not None:
+            kv_events.shutdown()
+        raise
+    logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
+                "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
+                str(loaded.dtype).removeprefix("torch."), cache_cfg.num_kv_blocks,
+                cache_cfg.block_size, sched_cfg.max_model_len, cpu_features.detect().describe(),
+                loaded.load_seconds, warm_up_s)
+    return EngineParts(config, loaded, runner, scheduler, grammar_compiler, trace, kv_events,
+                       threads, tensor_parallel)
+
+
+def open_trace(config: EngineConfig, loaded) -> TraceRecorder | NullTrace:
+    if config.trace_path is None:
+        return NullTrace()
+    sched, cache = config.scheduler, config.cache
+    args = {**dataclasses.asdict(sched), **dataclasses.asdict(cache), "dtype": config.dtype,
+            "quantization": config.quantization}
+    header = {"block_size": cache.block_size, "model": str(loaded.model_dir),
+              "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
+              "dtype": str(loaded.dtype).removeprefix("torch."),
+              "host": cpu_features.detect().describe(), "engine_args": args}
+    logger.info("recording a workload trace to %s", config.trace_path)
+    return TraceRecorder(config.trace_path, config.trace_max_bytes, header)
