@@ -25,20 +25,15 @@ class BackendOptions:
     # vllm_backend's ENABLE_VLLM_HEALTH_CHECK: once the engine thread has died the model
     # asks Triton to unload it (needs --model-control-mode=explicit), so /ready says no.
     enable_health_check: bool = False
-    # Streaming: output tokens per response (vLLM's stream_interval): the first token
-    # and the last response go out at once, the rest every this many tokens. 1 = every
-    # step that produced text; more means fewer response round trips through Triton.
-    stream_interval: int = 1
 
 
-# config.pbtxt key -> BackendOptions field; every number among them must be >= 0
-# (stream_interval >= 1).
+# config.pbtxt key -> BackendOptions field; every number among them must be >= 0.
+# (stream_interval is an engine argument, SchedulerConfig's, so it reaches every model.)
 _BACKEND_KEYS = {
     "REPORT_CUSTOM_METRICS": "report_custom_metrics",
     "DRAIN_TIMEOUT_S": "drain_timeout_s",
     "MAX_QUEUE_LEN": "max_queue_len",
     "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
-    "stream_interval": "stream_interval",  # vLLM's name, as in model.json
 }
 _OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}
 
@@ -57,14 +52,11 @@ def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = N
         attr = _BACKEND_KEYS[key]
         name = f"parameter {key!r}"
         option = convert(name, value, _OPTION_KINDS[attr])
-        least = 1 if attr == "stream_interval" else 0
-        if not isinstance(option, bool) and option < least:
-            raise ValueError(f"{name} must be >= {least}, got {value!r}")
+        if not isinstance(option, bool) and option < 0:
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
         setattr(options, attr, option)
     if model_json is None:
         model_json = ModelJson()
-    if model_json.stream_interval is not None and "stream_interval" not in params:
-        options.stream_interval = model_json.stream_interval
     merged = {**model_json.engine_args, **engine_args}
     try:
         config = EngineConfig.from_dict(merged)

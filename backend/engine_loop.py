@@ -236,7 +236,6 @@ class EngineLoop:
                 self._worker.send_error(request.sender, message, code, request_id)
 
     def _step(self, step: StepMetrics) -> None:
-        step_start = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception as exc:  # noqa: BLE001
@@ -254,7 +253,7 @@ class EngineLoop:
             request = self._active.get(out.request_id)
             if request is None:
                 continue  # aborted meanwhile
-            record_timings(request, out, step, step_start, now)
+            record_timings(request, out, step, now)
             try:
                 tensors = request.build(out)
             except Exception as exc:  # noqa: BLE001

@@ -17,28 +17,28 @@ class Inflight:
     prompt: str | list[int]
     params: SamplingParams
     sender: Any
-    # RequestOutput -> tensors to send, or None when this step has nothing for the client.
+    # RequestOutput -> the response's tensors (the engine decides which outputs come; a
+    # stand-in may return None: nothing to send unless the output is the final one).
     build: Callable[[RequestOutput], dict[str, np.ndarray] | None]
     arrival: float
     priority: int = 0  # lower is served first under policy=priority
-    first_token_at: float | None = None
-    last_token_at: float | None = None
+    ttft_recorded: bool = False
 
 
-def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, step_start: float,
-                   now: float) -> None:
-    """Adds this output's TTFT / inter-token / queue / end-to-end figures to the step's metrics."""
-    new_tokens = sum(len(c.delta_token_ids) for c in out.outputs)  # n > 1: any sequence's
-    if new_tokens:
-        if request.first_token_at is None:
-            request.first_token_at = now
-            step.ttft.append(now - request.arrival)
-            queued = out.metrics.time_in_queue if out.metrics is not None else None
-            # The engine counts from Triton's arrival (passed to add_request) to the
-            # request's first admission; a stand-in engine may not say.
-            step.queue.append(max(0.0, step_start - request.arrival) if queued is None else queued)
-        else:
-            step.itl.append(now - request.last_token_at)
-        request.last_token_at = now
+def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, now: float) -> None:
+    """Adds this output's TTFT / inter-token / queue / end-to-end figures to the step's
+    metrics. Token times are the engine's (RequestMetrics, stamped at every step that
+    sampled for the request), so a FINAL_ONLY request or one streamed with
+    stream_interval > 1 reports the same figures as a per-token stream; a stand-in
+    engine that does not stamp them yields end-to-end figures only."""
+    metrics = out.metrics
+    if metrics is not None:
+        if not request.ttft_recorded and metrics.first_token_time is not None:
+            request.ttft_recorded = True
+            # Both on time.monotonic(): the engine got Triton's arrival in add_request.
+            step.ttft.append(max(0.0, metrics.first_token_time - request.arrival))
+            if metrics.time_in_queue is not None:
+                step.queue.append(metrics.time_in_queue)
+        step.itl.extend(metrics.inter_token_latencies)
     if out.finished:
         step.e2e.append(now - request.arrival)

@@ -28,8 +28,7 @@ class LLMModel(EngineModel):
         prompt_ids = self.tokenizer.encode(parsed.prompt)
         # Likewise the grammar (tens of ms cold): the engine thread then finds it cached.
         compile_structured_output(self.engine.grammar_compiler, parsed.params)
-        builder = LLMResponseBuilder(parsed, decode_token=self._decode_token,
-                                     stream_interval=self.options.stream_interval)
+        builder = LLMResponseBuilder(parsed, decode_token=self._decode_token)
         return Inflight(request_id, prompt_ids, parsed.params, sender, builder.build, arrival,
                         parsed.priority)
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from backend import vllm_engine_args as vllm
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.values import to_bool, to_int
+from engine.values import to_bool
 
 FILE_NAME = "model.json"
 _OWN_NAMES = frozenset(f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig)
@@ -31,7 +31,6 @@ class ModelJson:
     # This engine's argument names (EngineConfig.from_dict) -> model.json values.
     engine_args: dict[str, Any] = field(default_factory=dict)
     disable_log_stats: bool = False
-    stream_interval: int | None = None
     # What was accepted but changes nothing, for the load log.
     ignored: list[str] = field(default_factory=list)
 
@@ -62,8 +61,6 @@ def parse_model_json(data: Any) -> ModelJson:
             _take_engine_arg(out, key, value)
         elif key == vllm.DISABLE_LOG_STATS:
             out.disable_log_stats = value is not None and to_bool(_named(key), value)
-        elif key == vllm.STREAM_INTERVAL:
-            out.stream_interval = None if value is None else _stream_interval(value)
         elif key in vllm.NO_EFFECT:
             out.ignored.append(key)
         elif key in vllm.UNSUPPORTED:
@@ -91,13 +88,6 @@ def _take_engine_arg(out: ModelJson, key: str, value: Any) -> None:
         renamed = f" ({name} here)" if name != key else ""
         raise ValueError(f"{_named(key)}{renamed}: {exc}") from None
     out.engine_args[name] = value
-
-
-def _stream_interval(value: Any) -> int:
-    interval = to_int(_named(vllm.STREAM_INTERVAL), value)
-    if interval < 1:
-        raise ValueError(f"{_named(vllm.STREAM_INTERVAL)} must be >= 1, got {interval}")
-    return interval
 
 
 def _named(key: str) -> str:

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output.grammar import GrammarCompiler
 from engine.values import convert
@@ -24,7 +24,9 @@ class InvalidRequest(ValueError):
     """A client error: reported as INVALID_ARG, never raised past the backend."""
 
 
-_SAMPLING_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)}
+# output_kind is not the client's: `stream` decides it (stream_output_kind).
+_SAMPLING_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)
+                    if f.name != "output_kind"}
 # vLLM parameters we accept only at the value that means "feature off", so clients
 # that always send them keep working. `n` is a SamplingParams field (parallel sampling);
 # best_of and beam search would rank sequences, which nothing here does.
@@ -58,6 +60,12 @@ class LLMRequest:
     returns: ReturnFlags
     # Under policy=priority, lower is served first (vLLM's convention); 0 by default.
     priority: int = 0
+
+
+def stream_output_kind(stream: bool) -> RequestOutputKind:
+    """What the engine hands out for a request of either engine model: the deltas for a
+    stream, the finished output alone otherwise (its responses translate nothing else)."""
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
 
 def client_value(name: str, value: Any, kind: str) -> Any:
@@ -208,6 +216,7 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if stream and not exclude:
         raise InvalidRequest("streaming requires exclude_input_in_output=true "
                              "(the prompt cannot be prepended to a stream of deltas)")
+    params.output_kind = stream_output_kind(stream)
     returns = ReturnFlags(**{f.name: switches.get(f"return_{f.name}", False)
                              for f in dataclasses.fields(ReturnFlags)})
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:

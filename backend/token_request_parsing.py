@@ -10,7 +10,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from backend.request_parsing import InvalidRequest, parse_priority, scalar, to_bool
+from backend.request_parsing import (InvalidRequest, parse_priority, scalar, stream_output_kind,
+                                     to_bool)
 from engine.sampling_params import SamplingParams
 
 
@@ -88,6 +89,7 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
         raise InvalidRequest(f"seed and random_seed disagree: {seeds}")
     sampling = (top_k is not None and int(top_k) > 1) or (top_p is not None and float(top_p) > 0)
     end_id = _opt(inputs, "end_id")
+    stream = to_bool("streaming", v) if (v := _opt(inputs, "streaming")) is not None else False
     kwargs: dict[str, Any] = dict(
         max_tokens=int(max_tokens),
         min_tokens=int(_opt(inputs, "min_length") or 0),
@@ -97,6 +99,7 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
         seed=next(iter(seeds.values()), None),
         # Matched as ids, as TensorRT-LLM does; the stop word stays in the output.
         stop_token_sequences=stop_words,
+        output_kind=stream_output_kind(stream),
     )
     if end_id is not None:
         kwargs["stop_token_ids"] = [int(end_id)]
@@ -104,7 +107,6 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
         params = SamplingParams(**kwargs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
-    stream = to_bool("streaming", v) if (v := _opt(inputs, "streaming")) is not None else False
     exclude = (to_bool("exclude_input_in_output", v)
                if (v := _opt(inputs, "exclude_input_in_output")) is not None else False)
     priority = parse_priority(v) if (v := _opt(inputs, "priority")) is not None else 0

@@ -4,10 +4,12 @@ Streaming detokenization happens in the stateless `postprocessing` model, which 
 one response at a time. Two things make a per-response decode wrong: a token can end
 in the middle of a multi-byte UTF-8 character, and SentencePiece tokenizers drop a
 word's leading space when it is decoded on its own. The engine releases output only
-where every token so far decodes to whole characters (`delta_token_ids`), and this
+where every token so far decodes to whole characters (a DELTA output's `token_ids`), and this
 builder sends with each chunk `prefix_ids`, the CONTEXT_TOKENS ids before it (the
 prompt's tail for the first chunk); postprocessing returns decode(prefix + ids) minus
-decode(prefix), which is exactly the text the new ids add."""
+decode(prefix), which is exactly the text the new ids add. What is sent when is the
+engine's (engine/output/output_processor.py, stream_interval included); this only
+translates."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,20 +43,18 @@ class TokenResponseBuilder:
     def __post_init__(self) -> None:
         self._context = self.request.prompt_token_ids[-CONTEXT_TOKENS:]
 
-    def build(self, out: RequestOutput) -> dict[str, np.ndarray] | None:
+    def build(self, out: RequestOutput) -> dict[str, np.ndarray]:
+        """A stream's outputs are DELTA (the ids released since the previous response),
+        a non-streaming request's one output FINAL_ONLY (all of them)."""
         completion = out.outputs[0]
+        ids = list(completion.token_ids)
         if self.request.stream:
-            ids, prefix = list(completion.delta_token_ids), self._context
-            if not ids and not out.finished:
-                return None
+            prefix = self._context
             self._context = (prefix + ids)[-CONTEXT_TOKENS:]
+        elif self.request.exclude_input_in_output:
+            prefix = self._context
         else:
-            if not out.finished:
-                return None
-            if self.request.exclude_input_in_output:
-                ids, prefix = list(completion.token_ids), self._context
-            else:
-                ids, prefix = list(out.prompt_token_ids) + list(completion.token_ids), []
+            ids, prefix = list(out.prompt_token_ids) + ids, []
         if completion.finished_on_stop_token and ids:
             # As in TensorRT-LLM, the end token (EOS or end_id) is not part of the output.
             ids = ids[:-1]

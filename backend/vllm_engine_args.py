@@ -30,6 +30,7 @@ RENAMED = {
     "enforce_eager": "enforce_eager",  # no CUDA graphs on a GPU
     "prefix_caching_hash_algo": "prefix_caching_hash_algo",  # sha256, sha256_cbor; no xxhash
     "kv_events_config": "kv_events_config",  # vLLM's KVEventsConfig fields
+    "stream_interval": "stream_interval",  # vLLM >= 0.11; every engine model here
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -37,8 +38,6 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 # As in vllm_backend: true turns REPORT_CUSTOM_METRICS off.
 DISABLE_LOG_STATS = "disable_log_stats"
-# Tokens per streamed response (vLLM >= 0.11): a backend option here, not the engine's.
-STREAM_INTERVAL = "stream_interval"
 
 # Accepted with any value and logged as ignored: they tune how vLLM runs (CUDA graphs,
 # Ray, logging, loading, tracing), not what it computes, or name something this engine

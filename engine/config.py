@@ -32,6 +32,10 @@ class SchedulerConfig:
     # evicted at every chunk of its recompute, at some cost in recomputed tokens.
     shield_resumed: bool = False
     policy: str = "fcfs"
+    # vLLM's name: a streamed request (RequestOutputKind DELTA / CUMULATIVE) gets its first
+    # output at once, then one per this many released tokens, and the final one; the held
+    # deltas are merged (engine/output/output_processor.py). More means fewer responses.
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -51,6 +55,7 @@ class SchedulerConfig:
             raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) "
                              f"must be <= max_num_partial_prefills "
                              f"({self.max_num_partial_prefills})")
+        _positive("stream_interval", self.stream_interval)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
 

@@ -1,6 +1,7 @@
 """Offline generation: LLM(model).generate(prompts, params) -> outputs in input order."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from tqdm.auto import tqdm
@@ -9,7 +10,7 @@ from engine.config import EngineConfig
 from engine.faults import FaultPlan
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -37,12 +38,19 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         engine = self.llm_engine
+        # Only final outputs are kept here, so none is built before (as vLLM's LLM); the
+        # caller's objects stay as they are.
+        final_only: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in final_only:
+                final_only[id(p)] = dataclasses.replace(
+                    p, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = []
         try:
             for prompt, p in zip(prompts, params):
                 rid = str(self._next_id)
                 self._next_id += 1
-                engine.add_request(rid, prompt, p)
+                engine.add_request(rid, prompt, final_only[id(p)])
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

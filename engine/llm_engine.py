@@ -12,8 +12,9 @@ from engine.core.sched_output import SchedulerOutput
 from engine.faults import FaultPlan
 from engine.metrics.trace import NullTrace
 from engine.output.detokenizer import IncrementalDetokenizer
-from engine.output.parallel_sampling import ParallelSampling, fan_out
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.output.output_processor import OutputProcessor
+from engine.output.parallel_sampling import fan_out
+from engine.outputs import RequestOutput
 from engine.sample.sampler import SamplingError
 from engine.sampling_params import SamplingParams
 from engine.startup import start_engine
@@ -42,14 +43,6 @@ class EngineStepError(RuntimeError):
         self.failed_request_ids = failed_request_ids
 
 
-@dataclass(slots=True)
-class _Tracked:
-    request: Request
-    prompt: str | None
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, faults: FaultPlan | None = None,
                  **engine_args) -> None:
@@ -70,8 +63,9 @@ class LLMEngine:
         self._threads = parts.threads
         self._tensor_parallel = parts.tensor_parallel
         self.eos_token_ids = tuple(parts.loaded.eos_token_ids)
-        self._tracked: dict[str, _Tracked] = {}
-        self._parallel = ParallelSampling()
+        # Owns what each request is handed and when (output kind, stream_interval).
+        self.output_processor = OutputProcessor(self.config.scheduler.stream_interval)
+        self._parallel = self.output_processor.parallel
         self.prompt_tokens_total = 0
 
     # ---- requests -----------------------------------------------------------
@@ -86,7 +80,7 @@ class LLMEngine:
         # a huge id list is refused before it is scanned (on the engine thread). The
         # parent id of n > 1 sequences is taken too.
         for rid in {request_id, *(rid for rid, _ in sequences)}:
-            if rid in self._parallel:
+            if rid in self.output_processor:
                 raise ValueError(f"request id {rid!r} is already in use")
             self.scheduler.check_new_request(rid, len(token_ids))
         vocab = self.loaded.vocab_size
@@ -105,6 +99,7 @@ class LLMEngine:
         compiled_grammar = (None if params.structured_outputs is None
                             else self.grammar_compiler.compile(params.structured_outputs))
         # n > 1: added back to back, so the later children hit the first one's prompt blocks.
+        requests = []
         for rid, seq_params in sequences:
             request = Request(rid, token_ids, seq_params, priority=priority,
                               arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
@@ -115,11 +110,8 @@ class LLMEngine:
             if params.max_tokens is None:
                 request.max_tokens = self.config.scheduler.max_model_len - len(token_ids)
             self.scheduler.add_request(request)
-            want_logprobs = params.logprobs is not None
-            self._tracked[rid] = _Tracked(request, prompt_text, 0.0 if want_logprobs else None,
-                                          [] if want_logprobs else None)
-        self._parallel.track(request_id, prompt_text, token_ids, params,
-                             [rid for rid, _ in sequences])
+            requests.append(request)
+        self.output_processor.add_request(request_id, prompt_text, token_ids, params, requests)
         # The prompt as received, once per request whatever n is.
         self.prompt_tokens_total += len(token_ids)
 
@@ -131,8 +123,7 @@ class LLMEngine:
         for request in aborted:
             self.trace.finished(request, cancelled=True)
         self._publish_kv_events()
-        return self._parallel.merge([self._output(self._tracked.pop(r.request_id))
-                                     for r in aborted if r.request_id in self._tracked])
+        return self.output_processor.abort(aborted)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -142,11 +133,12 @@ class LLMEngine:
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step and return an output for every request that has new
-        output to hand out or finished. Raises EngineStepError naming the requests it
-        aborted: those whose sampling failed on their own (the rest of the batch resamples
-        next step), or, when the model failed, every request of the step. The engine is
-        then ready for the next step."""
+        """Run one scheduler step and return the outputs due: what the requests' output
+        kinds and stream_interval let out of what they released, and every finished
+        request (engine/output/output_processor.py). Raises EngineStepError naming the
+        requests it aborted: those whose sampling failed on their own (the rest of the
+        batch resamples next step), or, when the model failed, every request of the step.
+        The engine is then ready for the next step."""
         try:
             return self._step()
         finally:
@@ -171,21 +163,9 @@ class LLMEngine:
         trace.step_scheduled(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result.sampled_token_ids)
         trace.requests_updated(updated)
-        outputs: list[RequestOutput] = []
-        for request in updated:
-            rid = request.request_id
-            tracked = self._tracked[rid]
-            lp = result.logprobs.get(rid)
-            if lp is not None and tracked.logprobs is not None:
-                tracked.cumulative_logprob += lp.sampled
-                tracked.logprobs.append({request.all_token_ids[-1]: lp.sampled, **lp.top})
-            if request.is_finished:
-                del self._tracked[rid]
-            output = self._output(tracked)
-            if output.finished or output.outputs[0].delta_token_ids:
-                outputs.append(output)
-        trace.step_ended(self.scheduler.num_preemptions_total)
-        return self._parallel.merge(outputs)
+        outputs = self.output_processor.process(updated, result.logprobs)
+        trace.step_ended(self.scheduler.num_preemptions_total)  # its time includes the outputs
+        return outputs
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> EngineStepError:
         """Abort whom the failure is attributable to and return the error to raise."""
@@ -216,28 +196,7 @@ class LLMEngine:
         failed = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request in failed:
             self.trace.finished(request)
-        for rid in request_ids:
-            self._tracked.pop(rid, None)
-        self._parallel.forget(request_ids)
-
-    def _output(self, tracked: _Tracked) -> RequestOutput:
-        request = tracked.request
-        finished = request.is_finished
-        output_ids = request.output_token_ids
-        delta_text, start, end = request.detokenizer.take_delta(len(output_ids), finished)
-        logprobs = tracked.logprobs
-        completion = CompletionOutput(
-            index=0, text=request.detokenizer.output_text, token_ids=output_ids,
-            cumulative_logprob=tracked.cumulative_logprob, logprobs=logprobs,
-            finish_reason=request.finish_reason, stop_reason=request.stop_reason,
-            finished_on_stop_token=request.finished_on_stop_token,
-            delta_text=delta_text, delta_token_ids=output_ids[start:end],
-            delta_logprobs=None if logprobs is None else logprobs[start:end])
-        return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids,
-                             [completion], finished,
-                             num_cached_tokens=max(request.num_cached_tokens, 0),
-                             metrics=RequestMetrics(request.arrival_time,
-                                                    request.first_scheduled_time))
+        self.output_processor.forget(request_ids)
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()

@@ -1,5 +1,7 @@
 """What the engine hands back per request: RequestOutput with one CompletionOutput per
-sequence, and the request's timing (vLLM's vllm/outputs.py)."""
+sequence, and the request's timing (vLLM's vllm/outputs.py). Which fields hold the whole
+output and which what is new depends on the request's RequestOutputKind
+(engine/sampling_params.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,6 +10,7 @@ from dataclasses import dataclass, field
 @dataclass(slots=True)
 class CompletionOutput:
     index: int
+    # CUMULATIVE and FINAL_ONLY: the output so far; DELTA: what is new, as the delta_* fields.
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
@@ -21,7 +24,8 @@ class CompletionOutput:
     finished_on_stop_token: bool = False
     # What is new since the previous output of this request (for streaming): the tokens
     # whose text is released (whole characters, no possible stop-string start), that
-    # text, and those tokens' logprobs. A finished output releases everything.
+    # text, and those tokens' logprobs. A finished output releases everything; FINAL_ONLY's
+    # one output holds the whole output here too.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     delta_logprobs: list[dict[int, float]] | None = None
@@ -45,6 +49,12 @@ class RequestOutput:
 class RequestMetrics:
     arrival_time: float  # time.monotonic() clock, as Request.arrival_time
     first_scheduled_time: float | None
+    # Stamped by the engine at each step that sampled tokens for the request (any of its
+    # sequences), whether or not an output went out, so TTFT and inter-token latency
+    # (vLLM's) do not depend on the output kind or stream_interval: the step of the first
+    # token, and the gaps between such steps since the request's previous output.
+    first_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
 
     @property
     def time_in_queue(self) -> float | None:

@@ -20,6 +20,7 @@ INVALID_ARG). Figures measured on the 2-core AVX2 AMD EPYC dev host, CPython 3.1
 """
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Sequence
@@ -72,6 +73,18 @@ def check_stop_limits(stop: Sequence[str], stop_token_ids: Sequence[int],
                          f"{MAX_STOP_SEQUENCE_IDS_TOTAL} ids in all")
 
 
+class RequestOutputKind(enum.Enum):
+    """What the engine hands out for a request, and when (vLLM's names and values;
+    engine/output/output_processor.py applies it)."""
+    # An output whenever something is released: the whole output so far, plus what is
+    # new since the previous output in the delta_* fields.
+    CUMULATIVE = 0
+    # The same moments, carrying only what is new (text, token_ids and logprobs too).
+    DELTA = 1
+    # One output, once the request has finished; nothing is built before.
+    FINAL_ONLY = 2
+
+
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int | None = 16
@@ -98,6 +111,9 @@ class SamplingParams:
     # Output held to a JSON schema / regex / choice / EBNF grammar / any JSON (a dict is
     # read as vLLM's StructuredOutputsParams); compiled when the request is added.
     structured_outputs: StructuredOutputsParams | None = None
+    # Set by the caller, not by clients: the backend streams with DELTA and answers
+    # non-streaming requests with FINAL_ONLY; LLM.generate asks for FINAL_ONLY.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check(self.stop is None or isinstance(self.stop, (str, list, tuple)), "stop",
@@ -163,6 +179,8 @@ class SamplingParams:
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "must be a StructuredOutputsParams or a dict",
                self.structured_outputs)
+        _check(isinstance(self.output_kind, RequestOutputKind), "output_kind",
+               "must be a RequestOutputKind", self.output_kind)
 
     @property
     def has_penalties(self) -> bool:

@@ -11,18 +11,19 @@ from backend.llm_responses import LLMResponseBuilder
 from backend.request_parsing import (InvalidRequest, LLMRequest, ReturnFlags, parse_llm_request,
                                      parse_sampling_parameters)
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 ALL_RETURNS = ReturnFlags(finish_reason=True, num_input_tokens=True, num_output_tokens=True,
                           cumulative_logprob=True, logprobs=True)
 
 
-def completion(index, text, token_ids, delta_text="", delta_ids=(), reason=None):
+def completion(index, text, token_ids, reason=None):
+    """A DELTA completion (what is new) or a FINAL_ONLY one (everything): the responses
+    translate text / token_ids / logprobs either way."""
     logprobs = [{t: -0.5} for t in token_ids]
-    delta_ids = list(delta_ids)
     return CompletionOutput(index, text, list(token_ids), cumulative_logprob=-0.5 * len(token_ids),
-                            logprobs=logprobs, finish_reason=reason, delta_text=delta_text,
-                            delta_token_ids=delta_ids, delta_logprobs=[{t: -0.5} for t in delta_ids])
+                            logprobs=logprobs, finish_reason=reason, delta_text=text,
+                            delta_token_ids=list(token_ids), delta_logprobs=logprobs)
 
 
 def output(completions, finished):
@@ -56,23 +57,20 @@ def test_non_streaming_response_has_one_entry_per_sequence():
     assert [len(json.loads(x)) for x in tensors["logprobs"]] == [2, 1, 3]
     excluded = LLMResponseBuilder(LLMRequest("Hi", SamplingParams(n=3), False, True, ReturnFlags()))
     assert excluded.build(out)["text_output"].tolist() == [b"ab", b"c", b"def"]
-    assert excluded.build(output(out.outputs, False)) is None
 
 
 def test_streaming_response_carries_each_sequences_delta_in_its_entry():
     builder = LLMResponseBuilder(LLMRequest("Hi", SamplingParams(n=2), True, True, ALL_RETURNS))
-    # Nothing released for either sequence (held mid-character): no response.
-    assert builder.build(output([completion(0, "", [10]), completion(1, "", [])], False)) is None
-    step = builder.build(output([completion(0, "a", [10, 11], "a", [10, 11]),
-                                 completion(1, "", [])], False))
+    # Sequence 1 has nothing new this step (DELTA: an empty completion).
+    step = builder.build(output([completion(0, "a", [10, 11]), completion(1, "", [])], False))
     assert step["text_output"].tolist() == [b"a", b""]
     assert step["num_output_tokens"].tolist() == [2, 0]
     assert step["finish_reason"].tolist() == [b"None", b"None"]
     assert [json.loads(x) for x in step["logprobs"]] == [[{"10": {"logprob": -0.5}},
                                                           {"11": {"logprob": -0.5}}], []]
     # The last response is FINAL even when no sequence has new text.
-    last = builder.build(output([completion(0, "a", [10, 11], reason="length"),
-                                 completion(1, "", [2], "", [2], reason="stop")], True))
+    last = builder.build(output([completion(0, "", [], reason="length"),
+                                 completion(1, "", [2], reason="stop")], True))
     assert last["text_output"].tolist() == [b"", b""]
     assert last["num_output_tokens"].tolist() == [0, 1]
     assert last["finish_reason"].tolist() == [b"length", b"stop"]
@@ -91,19 +89,26 @@ def test_engine_stream_through_the_builder_equals_the_final_texts(tmp_path):
     from tests.tiny_model import make_tiny_model_dir
 
     engine = LLMEngine(model=str(make_tiny_model_dir(tmp_path, seed=3)), dtype="float32",
-                       num_kv_blocks=128)
-    params = SamplingParams(n=3, seed=9, max_tokens=10, ignore_eos=True)
-    stream = LLMResponseBuilder(LLMRequest("Hello", params, True, True, ALL_RETURNS))
-    whole = LLMResponseBuilder(LLMRequest("Hello", params, False, True, ALL_RETURNS))
-    engine.add_request("p", "Hello", params)
-    texts, counts, final = [b""] * 3, [0] * 3, None
+                       num_kv_blocks=128, stream_interval=3)
+    params = dict(n=3, seed=9, max_tokens=10, ignore_eos=True)
+    # As the `llm` model adds them: a stream DELTA, a non-streaming request FINAL_ONLY.
+    delta = SamplingParams(**params, output_kind=RequestOutputKind.DELTA)
+    final_only = SamplingParams(**params, output_kind=RequestOutputKind.FINAL_ONLY)
+    stream = LLMResponseBuilder(LLMRequest("Hello", delta, True, True, ALL_RETURNS))
+    whole = LLMResponseBuilder(LLMRequest("Hello", final_only, False, True, ALL_RETURNS))
+    engine.add_request("s", "Hello", delta)
+    engine.add_request("w", "Hello", final_only)
+    texts, counts, responses, finals = [b""] * 3, [0] * 3, 0, []
     while engine.has_unfinished_requests():
         for out in engine.step():
+            if out.request_id == "w":
+                finals.append(whole.build(out))
+                continue
             tensors = stream.build(out)
-            if tensors is not None:
-                texts = [a + b for a, b in zip(texts, tensors["text_output"].tolist())]
-                counts = [a + b for a, b in zip(counts, tensors["num_output_tokens"].tolist())]
-            if out.finished:
-                final = whole.build(out)
+            responses += 1
+            texts = [a + b for a, b in zip(texts, tensors["text_output"].tolist())]
+            counts = [a + b for a, b in zip(counts, tensors["num_output_tokens"].tolist())]
+    (final,) = finals
     assert texts == final["text_output"].tolist() and len(texts) == 3
     assert counts == final["num_output_tokens"].tolist() == [10, 10, 10]
+    assert responses <= 1 + -(-9 // 3)  # the first at once, then every 3 tokens

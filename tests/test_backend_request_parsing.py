@@ -9,6 +9,7 @@ import pytest
 
 from backend.request_parsing import (InvalidRequest, compile_structured_output, parse_llm_request,
                                      parse_sampling_parameters)
+from engine.sampling_params import RequestOutputKind
 from engine.structured_output.grammar import GrammarCompiler
 
 
@@ -63,6 +64,16 @@ def test_defaults_follow_vllm_backend():
     assert not r.stream and not r.exclude_input_in_output and r.params.max_tokens == 16
     r = parse_llm_request(tensors(stream=True))
     assert r.stream and r.exclude_input_in_output
+
+
+def test_the_stream_switch_sets_the_output_kind_and_clients_cannot():
+    # The engine then decides what is sent when (stream_interval); the responses translate.
+    assert parse_llm_request(tensors(stream=True)).params.output_kind is RequestOutputKind.DELTA
+    assert parse_llm_request(tensors()).params.output_kind is RequestOutputKind.FINAL_ONLY
+    r = parse_llm_request(tensors(), json.dumps({"stream": True, "max_tokens": 4}))
+    assert r.params.output_kind is RequestOutputKind.DELTA
+    with pytest.raises(InvalidRequest, match="unknown sampling parameter 'output_kind'"):
+        parse_sampling_parameters({"output_kind": 0})
 
 
 def test_streaming_with_prompt_prepended_is_an_error():

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.output.stop_strings import StopMatcher
 
 # Tokens decoded ahead of new ones so they get their in-context spacing (sentencepiece
@@ -81,8 +81,10 @@ class IncrementalDetokenizer:
         self.output_text = ""
         self.stop_str: str | None = None  # the stop string that ended the text, once matched
         self._num_fed = 0  # output tokens fed
-        # (output tokens, characters) at which tokens and text line up, not yet released.
+        # (output tokens, characters) at which tokens and text line up, not yet released;
+        # not kept for a FINAL_ONLY request, whose one take_delta is the finishing one.
         self._aligned: deque[tuple[int, int]] = deque()
+        self._streamed = params.output_kind is not RequestOutputKind.FINAL_ONLY
         self._released_tokens = 0
         self._released_chars = 0
 
@@ -93,7 +95,7 @@ class IncrementalDetokenizer:
         self._token_ids.extend(new_token_ids)
         self._num_fed += len(new_token_ids)
         stop = self._append(self._decode_new(final=False))
-        if (stop is None and self._read_offset == len(self._token_ids)
+        if (self._streamed and stop is None and self._read_offset == len(self._token_ids)
                 and (self._cleanup is None or not self._cleanup.pending)):
             self._aligned.append((self._num_fed, len(self.output_text)))
         return stop

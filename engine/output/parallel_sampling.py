@@ -11,7 +11,11 @@ Each child computes only the prompt's tail that is not a full block (at least it
 token, whose logits it samples from). Without prefix caching each child prefills alone.
 
 Seeds follow vLLM: child i samples with seed + i when a seed is given; without a seed
-every child draws from the engine's generator."""
+every child draws from the engine's generator.
+
+Output kinds (engine/sampling_params.py RequestOutputKind) hold per family: a FINAL_ONLY
+parent gets its one output once every child has finished; a child with no news in a
+streamed parent output is empty in DELTA and its output so far in CUMULATIVE."""
 from __future__ import annotations
 
 import dataclasses
@@ -19,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.sampling_params import SEED_MAX, SamplingParams
+from engine.sampling_params import SEED_MAX, RequestOutputKind, SamplingParams
 
 
 def child_request_id(index: int, request_id: str) -> str:
@@ -54,6 +58,7 @@ class _Family:
     prompt: str | None
     prompt_token_ids: list[int]
     child_ids: list[str]
+    kind: RequestOutputKind
     # Each child's latest completion (index set to the child's), with its full text so far.
     completions: list[CompletionOutput]
     finished: list[bool]
@@ -73,8 +78,12 @@ class _Family:
             self.metrics = seen
         return completion
 
+    @property
+    def due(self) -> bool:
+        return self.kind is not RequestOutputKind.FINAL_ONLY or all(self.finished)
+
     def output(self, fresh: dict[int, CompletionOutput]) -> RequestOutput:
-        completions = [fresh.get(i) or _quiet(c) for i, c in enumerate(self.completions)]
+        completions = [fresh.get(i) or _quiet(c, self.kind) for i, c in enumerate(self.completions)]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              all(self.finished), num_cached_tokens=self.num_cached_tokens or 0,
                              metrics=self.metrics)
@@ -86,10 +95,16 @@ def _earlier(a: RequestMetrics, b: RequestMetrics) -> bool:
     return b.first_scheduled_time is None or a.first_scheduled_time < b.first_scheduled_time
 
 
-def _quiet(completion: CompletionOutput) -> CompletionOutput:
+def _quiet(completion: CompletionOutput, kind: RequestOutputKind) -> CompletionOutput:
     """The completion as of now, with nothing new since the previous output."""
+    if kind is RequestOutputKind.FINAL_ONLY:
+        return completion  # its one output: everything is new
+    no_logprobs = None if completion.logprobs is None else []
+    if kind is RequestOutputKind.DELTA:
+        return dataclasses.replace(completion, text="", token_ids=[], logprobs=no_logprobs,
+                                   delta_text="", delta_token_ids=[], delta_logprobs=no_logprobs)
     return dataclasses.replace(completion, delta_text="", delta_token_ids=[],
-                               delta_logprobs=None if completion.logprobs is None else [])
+                               delta_logprobs=no_logprobs)
 
 
 @dataclass(slots=True)
@@ -111,7 +126,8 @@ class ParallelSampling:
                                   delta_logprobs=[] if want_logprobs else None)
                  for i in range(params.n)]
         self._families[request_id] = _Family(request_id, prompt, prompt_token_ids,
-                                             list(child_ids), empty, [False] * params.n)
+                                             list(child_ids), params.output_kind, empty,
+                                             [False] * params.n)
         for index, child_id in enumerate(child_ids):
             self._parent_of[child_id] = (request_id, index)
 
@@ -141,7 +157,8 @@ class ParallelSampling:
     def merge(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Child outputs -> one output per parent (at its first child's place), the
         children without news this step included with empty deltas; other outputs pass.
-        A parent is finished, and forgotten, once every child is."""
+        A parent is finished, and forgotten, once every child is; a FINAL_ONLY parent
+        has no output before."""
         if not self._families:
             return outputs
         merged: list[RequestOutput | _Family] = []
@@ -158,7 +175,7 @@ class ParallelSampling:
                 merged.append(family)
             fresh[parent_id][index] = family.record(index, out)
         return [item if isinstance(item, RequestOutput) else self._parent_output(item, fresh)
-                for item in merged]
+                for item in merged if isinstance(item, RequestOutput) or item.due]
 
     def _parent_output(self, family: _Family, fresh: dict[str, dict[int, CompletionOutput]]
                        ) -> RequestOutput:
