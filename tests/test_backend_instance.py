@@ -5,7 +5,7 @@ import pytest
 from backend.instance import instance_rank, place_instance
 from backend.repository_layout import set_instance_group
 from engine.config import EngineConfig
-from engine.core.kv_cache.publisher import KVEventsConfig
+from engine.config import KVEventsConfig
 
 
 def test_rank_comes_from_the_instance_index():

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.kv_cache import BlockHasher, external_hash, update_block_hashes
-from engine.core.kv_cache.publisher import KVEventsConfig, ZmqEventPublisher, encode_batch
+from engine.config import KVEventsConfig
+from engine.core.kv_cache.publisher import ZmqEventPublisher, encode_batch
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler

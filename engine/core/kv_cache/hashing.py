@@ -16,9 +16,9 @@ import os
 import pickle
 from typing import Any, Callable
 
+from engine.config.cache import HASH_ALGOS
 from engine.core.request import Request
 
-HASH_ALGOS = ("builtin", "sha256", "sha256_cbor")
 # vLLM's seed for the first block's parent when PYTHONHASHSEED is not set.
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 

@@ -1,108 +1,18 @@
-"""Engine configuration: one object, validated once, handed down to every layer."""
+"""EngineConfig: the whole configuration, built once from flat engine arguments."""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from engine.core.kv_cache.hashing import HASH_ALGOS
-from engine.core.kv_cache.publisher import KVEventsConfig
+from engine.config.cache import CacheConfig
+from engine.config.checks import check_positive
+from engine.config.kv_events import KVEventsConfig
+from engine.config.scheduler import SchedulerConfig
 from engine.values import convert
 
-POLICIES = ("fcfs", "priority")
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 QUANTIZATIONS = (None, "gguf")
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    # None: the model's max_position_embeddings (resolved by the engine).
-    max_model_len: int | None = None
-    # 0 disables the per-request chunk cap; otherwise each request gets at most
-    # this many tokens per step so long prompts cannot starve decodes.
-    long_prefill_token_threshold: int = 0
-    # vLLM V0's limits on prefills in one step (engine/core/partial_prefills.py); 0: no limit.
-    # max_long_partial_prefills 0 means max_num_partial_prefills.
-    max_num_partial_prefills: int = 0
-    max_long_partial_prefills: int = 0
-    # A request readmitted after k preemptions is not the preemption victim for the next
-    # k steps while another can be (engine/core/scheduler.py _pick_victim): against a request
-    # evicted at every chunk of its recompute, at some cost in recomputed tokens.
-    shield_resumed: bool = False
-    policy: str = "fcfs"
-    # vLLM's name: a streamed request (RequestOutputKind DELTA / CUMULATIVE) gets its first
-    # output at once, then one per this many released tokens, and the final one; the held
-    # deltas are merged (engine/output/output_processor.py). More means fewer responses.
-    stream_interval: int = 1
-
-    def __post_init__(self) -> None:
-        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive("max_num_seqs", self.max_num_seqs)
-        if self.max_model_len is not None:
-            _positive("max_model_len", self.max_model_len)
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0, "
-                             f"got {self.long_prefill_token_threshold}")
-        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
-        if self.max_long_partial_prefills and not self.max_num_partial_prefills:
-            raise ValueError("max_long_partial_prefills needs max_num_partial_prefills")
-        if self.max_long_partial_prefills > self.max_num_partial_prefills:
-            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) "
-                             f"must be <= max_num_partial_prefills "
-                             f"({self.max_num_partial_prefills})")
-        _positive("stream_interval", self.stream_interval)
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-
-
-@dataclass(slots=True)
-class CacheConfig:
-    block_size: int = 16
-    # None: derived from kv_cache_memory_bytes once the model shape is known.
-    num_kv_blocks: int | None = None
-    # None: 2 GiB on a CPU; on a GPU what gpu_memory_utilization leaves once the weights
-    # and a profiled forward are in (engine/worker/kv_pool.py sizes the pool).
-    kv_cache_memory_bytes: int | None = None
-    # vLLM's meaning: the share of the GPU's memory this engine may use in all (weights,
-    # activations, KV pool). None: 0.9. Ignored on a CPU, as vLLM's CPU backend does.
-    gpu_memory_utilization: float | None = None
-    enable_prefix_caching: bool = True
-    # vLLM's name. "builtin" (Python's hash(), the fast default) or, for block hashes an
-    # outside indexer can recompute from tokens, "sha256" / "sha256_cbor"
-    # (engine/core/kv_cache/hashing.py).
-    prefix_caching_hash_algo: str = "builtin"
-    # Fraction of all blocks kept free when admitting new or resumed requests.
-    watermark: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
-            raise ValueError(f"block_size must be a power of two <= 128, got {self.block_size}")
-        if self.num_kv_blocks is not None:
-            _positive("num_kv_blocks", self.num_kv_blocks)
-        if self.kv_cache_memory_bytes is not None:
-            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
-        if self.gpu_memory_utilization is not None and not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError("gpu_memory_utilization must be in (0, 1], "
-                             f"got {self.gpu_memory_utilization}")
-        if not 0.0 <= self.watermark < 1.0:
-            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
-        if self.prefix_caching_hash_algo not in HASH_ALGOS:
-            raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, "
-                             f"got {self.prefix_caching_hash_algo!r}")
-
-    @property
-    def explicit_pool(self) -> bool:
-        return self.num_kv_blocks is not None or self.kv_cache_memory_bytes is not None
-
-    @property
-    def watermark_blocks(self) -> int:
-        assert self.num_kv_blocks is not None
-        return int(self.watermark * self.num_kv_blocks)
 
 
 @dataclass(slots=True)
@@ -157,7 +67,7 @@ class EngineConfig:
             raise ValueError(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"num_threads must be an integer >= 0, got {self.num_threads!r}")
-        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_positive("tensor_parallel_size", self.tensor_parallel_size)
         if self.tensor_parallel_size > 1 and self.quantization == "gguf":
             # The packed GGUF blocks are quantized along the rows the shards would cut.
             raise ValueError("quantization 'gguf' runs in one process only; it cannot be "
@@ -199,8 +109,3 @@ class EngineConfig:
                        cache=CacheConfig(**nested["cache"]), **top)
         except TypeError as exc:  # pragma: no cover - guarded by the name check
             raise ValueError(str(exc)) from exc
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
