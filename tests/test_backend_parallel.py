@@ -88,7 +88,7 @@ def test_single_sequence_responses_keep_their_one_entry_shape():
 
 def test_engine_stream_through_the_builder_equals_the_final_texts(tmp_path):
     from engine import LLMEngine
-    from tests.tiny_model import make_tiny_model_dir
+    from testing.tiny_model import make_tiny_model_dir
 
     engine = LLMEngine(model=str(make_tiny_model_dir(tmp_path, seed=3)), dtype="float32",
                        num_kv_blocks=128)

@@ -54,7 +54,7 @@ def test_cap_reaches_onednn_torch_and_the_native_build():
         torch.ones(64, 64) @ torch.ones(64, 64)  # torch fixes its capability on first use
         from kernels.cpu import native as cpu_native
         from kernels.torch_ops import decode_attention
-        from tests.paged_batch import make_paged_batch
+        from testing.paged_batch import make_paged_batch
         batch = make_paged_batch([1, 17, 77], [1] * 3, 9, 3, 64, 16, dtype=torch.float32)
         q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
         native = cpu_native.decode_attention(q, kc, vc, tables, lens, scale)

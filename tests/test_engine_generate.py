@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 PROMPTS = [
     "The quick brown fox",

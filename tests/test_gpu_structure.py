@@ -11,7 +11,7 @@ from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.gpu_memory import kv_pool_bytes
 from engine.llm_engine import LLMEngine
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 PROMPTS = ["The quick brown fox", "1, 2, 3, 4,", "Paris is the capital of", "def main():",
            "Once upon a time", "A" * 5, "Hello", "The sky is"]

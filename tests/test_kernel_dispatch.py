@@ -13,7 +13,7 @@ import kernels
 from kernels import dispatch
 from kernels.cpu import native as cpu_native
 from kernels import torch_ops
-from tests.paged_batch import make_paged_batch
+from testing.paged_batch import make_paged_batch
 
 HAS_COMPILER = shutil.which("cc") is not None or shutil.which("gcc") is not None
 DTYPES = [torch.float32, torch.bfloat16]

@@ -9,7 +9,7 @@ import torch
 from engine.models.rope import RotaryEmbedding
 from kernels.cpu import native as cpu_native
 from kernels import torch_ops
-from tests.paged_batch import make_paged_batch
+from testing.paged_batch import make_paged_batch
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine falls back to torch")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from kernels import paged_attention, reshape_and_cache
 from kernels import torch_ops
-from tests.paged_batch import dense_attention, make_paged_batch
+from testing.paged_batch import dense_attention, make_paged_batch
 
 # bf16 inputs are identical on both sides; the gap is bf16 rounding of the logits
 # and probabilities inside the implementation (outputs are O(1)).

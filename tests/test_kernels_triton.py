@@ -23,7 +23,7 @@ pytest.importorskip("triton", reason="triton is not installed; the torch path is
 
 from kernels import torch_ops  # noqa: E402
 from kernels.triton import ops as triton_ops
-from tests.paged_batch import make_paged_batch  # noqa: E402
+from testing.paged_batch import make_paged_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_GPU else "cpu"
 # The two sides round differently in bf16/fp16: torch keeps bf16 logits, the kernels

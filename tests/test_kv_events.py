@@ -16,7 +16,7 @@ from engine.core.kv_cache.publisher import KVEventsConfig, ZmqEventPublisher, en
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from tests.fake_model import FakeModelRunner
+from testing.fake_model import FakeModelRunner
 from tests.test_scheduler_properties import drive, workloads
 from tuning.kv_index import KVEventIndex, decode_batch
 
@@ -358,7 +358,7 @@ def test_real_engine_publishes_what_it_caches(tmp_path):
     """The real engine and model: a subscriber started before the first request rebuilds
     the cache through preemptions and a reset, with consecutive sequence numbers."""
     from engine import LLMEngine
-    from tests.tiny_model import make_tiny_model_dir
+    from testing.tiny_model import make_tiny_model_dir
 
     port, replay_port = _free_port(), _free_port()
     engine = LLMEngine(model=str(make_tiny_model_dir(tmp_path / "tiny")), dtype="float32",

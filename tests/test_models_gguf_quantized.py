@@ -11,8 +11,8 @@ from engine.models import load_model
 from engine.models.gguf_cache import default_gguf_path
 from engine.models.gguf_weights import read_quantized
 from engine.models.layers import Linear
-from tests.tiny_model import make_tiny_model_dir
-from tests.test_models_support import last_logits
+from testing.tiny_model import make_tiny_model_dir
+from testing.model_batch import last_logits
 
 pytestmark = pytest.mark.timeout(600)
 

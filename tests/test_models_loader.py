@@ -14,9 +14,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from engine.models import default_model_dir, load_model
 from engine.models import gguf_cache
 from engine.models.loader import resolve_dtype
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 from kernels.cpu import features as cpu_features
-from tests.test_models_support import hf_logits, last_logits
+from testing.model_batch import hf_logits, last_logits
 
 pytestmark = pytest.mark.timeout(300)
 

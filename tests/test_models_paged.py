@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine.models import load_model
-from tests.tiny_model import make_tiny_model_dir
-from tests.test_models_support import PagedBatchBuilder, hf_logits
+from testing.tiny_model import make_tiny_model_dir
+from testing.model_batch import PagedBatchBuilder, hf_logits
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,8 +8,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from engine.models import load_model
 from engine.models.rope import RotaryEmbedding, rope_inv_freq
-from tests.tiny_model import make_tiny_model_dir
-from tests.test_models_support import PagedBatchBuilder, hf_logits
+from testing.tiny_model import make_tiny_model_dir
+from testing.model_batch import PagedBatchBuilder, hf_logits
 
 pytestmark = pytest.mark.timeout(300)
 

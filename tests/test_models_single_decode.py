@@ -8,7 +8,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from kernels.cpu import native as cpu_native
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.skipif(cpu_native.load_library() is None,
                                 reason="the fused step is a native kernel; no C compiler here")

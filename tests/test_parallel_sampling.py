@@ -6,7 +6,7 @@ from engine import LLM, LLMEngine, SamplingParams
 from engine.llm_engine import EngineStepError
 from engine.output.parallel_sampling import child_seed, fan_out
 from engine.sampling_params import SEED_MAX
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 BLOCK = 16
 PROMPT_IDS = list(range(300, 350))  # 50 tokens: 3 full blocks and a 2-token tail

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings, strategies as st
 from backend.request_parsing import load_json_object, parse_sampling_parameters
 from engine import LLM, SamplingParams
 from engine.llm_engine import EngineStepError
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -5,8 +5,8 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from tests.fake_model import FakeModelRunner, run_to_completion
-from tests.sched_invariants import check_drained, check_state, check_step, schedule
+from testing.fake_model import FakeModelRunner, run_to_completion
+from testing.sched_invariants import check_drained, check_state, check_step, schedule
 
 
 def make(num_blocks=1000, block_size=16, watermark=0.0, caching=True, **sched):

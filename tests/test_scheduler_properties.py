@@ -8,8 +8,8 @@ from engine.config import CacheConfig, SchedulerConfig
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
-from tests.fake_model import FakeModelRunner
-from tests.sched_invariants import check_drained, schedule
+from testing.fake_model import FakeModelRunner
+from testing.sched_invariants import check_drained, schedule
 
 EOS = 0
 

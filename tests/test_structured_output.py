@@ -19,7 +19,7 @@ from engine.core.request import Request
 from engine.sample.sampler import Sampler
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output.grammar import GrammarCompiler, RequestGrammar
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -20,7 +20,7 @@ from engine.llm_engine import EngineStepError
 from engine.models.layers import Linear
 from engine.distributed.sharding import (LogitsGather, RowParallelLinear, VocabParallelEmbedding,
                                       head_shard, vocab_slice)
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -72,7 +72,7 @@ def test_unknown_parameter_is_refused(tmp_path):
 def test_the_engine_and_the_tokenizer_models_load_the_same_tokenizer(tmp_path):
     # The one function both sides call; a tiny model folder has its own tokenizer files.
     from engine.models import load_tokenizer, tokenizer_dir
-    from tests.tiny_model import make_tiny_model_dir
+    from testing.tiny_model import make_tiny_model_dir
 
     model = make_tiny_model_dir(tmp_path / "tiny")
     repo = repository(tmp_path, engine={"model": str(model)})

@@ -8,7 +8,7 @@ import pytest
 
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
-from tests.tiny_model import make_tiny_model_dir
+from testing.tiny_model import make_tiny_model_dir
 from tuning.replay import measured, replay, synthetic_prompts
 from tuning.step_model import FEATURES, StepModel, fit, held_out_error, step_durations
 from tuning.trace_file import Trace, read_trace

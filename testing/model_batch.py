@@ -1,4 +1,4 @@
-"""Hand-built paged batches for model tests (the real model runner lives elsewhere)."""
+"""Hand-built paged batches for model tests and benches (the real model runner lives elsewhere)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,5 @@
-"""Tiny random-weight HF model folders for the tests (`python -m tests.tiny_model OUT`
-writes one from the command line).
+"""Tiny random-weight HF model folders for the tests and benches (`python -m
+testing.tiny_model OUT` writes one from the command line).
 
 Built with transformers' own model classes so HF can serve as the reference, and paired
 with the SmolLM2 tokenizer so token ids and text round-trip like the real model."""
