@@ -20,7 +20,7 @@ SUPPORTED = ["3.10", "3.11", "3.12", "3.13"]
 OLDEST = (3, 10)
 # Every folder of the project that holds Python code (model_repository: the models' model.py).
 SOURCE_DIRS = ["engine", "kernels", "backend", "scripts", "bench", "client_examples", "tests",
-               "testing", "model_repository", "openai_frontend"]
+               "testing", "tuning", "model_repository", "openai_frontend"]
 
 
 def _python_files() -> list[Path]:

@@ -1,12 +1,12 @@
 """A realistic online workload, run in-process against the engine with tracing on: the
-trace the replay and the tuner start from (tuning/).
+trace the replay and the tuner start from (tuning.replay, tuning.tune).
 
 Requests share a few system prompts (prefix-cache hits), arrive in bursts (a Poisson
 process whose rate switches between calm and burst), and have long-tailed prompt and
 output lengths (log-normal, clipped). Arrivals are honoured in real time: the driver adds
 each request when its time comes and steps the engine in between.
 
-  python -m bench.trace_workload --out /tmp/trace.jsonl [--requests 200 --rate 2 ...]
+  python -m tuning.workload --out /tmp/trace.jsonl [--requests 200 --rate 2 ...]
   python -m tuning.replay /tmp/trace.jsonl --compare
 """
 from __future__ import annotations
