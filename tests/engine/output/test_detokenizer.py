@@ -1,5 +1,5 @@
 """Incremental detokenizer on the real SmolLM2 tokenizer: text equality, UTF-8, stop strings,
-and the released (tokens, text) deltas. The matcher itself: tests/test_stop_strings.py."""
+and the released (tokens, text) deltas. The matcher itself: test_stop_strings.py."""
 import importlib.util
 import os
 

@@ -17,7 +17,7 @@ from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from testing.fake_model import FakeModelRunner
-from tests.test_scheduler_properties import drive, workloads
+from tests.engine.core.test_scheduler_properties import drive, workloads
 from tuning.kv_index import KVEventIndex, decode_batch
 
 

@@ -2,7 +2,7 @@
 
 Core resources against Kubernetes' own OpenAPI schema (kubernetes-validate, strict: an
 unknown field is an error); the InferencePool and llm-d's EndpointPickerConfig against
-the JSON schemas in tests/deploy_schemas, written from their CRD / Go types. Then the
+the JSON schemas in tests/deploy/schemas, written from their CRD / Go types. Then the
 cross-checks no schema can make: the ports, probe paths, metric names, module and
 KV-event wiring in the YAML against what this repository really serves."""
 from __future__ import annotations
@@ -30,9 +30,9 @@ from backend.model_json import parse_model_json  # noqa: E402
 from backend.triton_server import ServerPorts, TritonServer  # noqa: E402
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
-SCHEMAS = Path(__file__).resolve().parent / "deploy_schemas"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"
 SERVED_MODEL = "llm"
 # What the Service, pool and sidecar command promise; the tests below tie each to its source.
 OPENAI_PORT = 9000

@@ -20,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 NATIVE = [pytest.param(True, id="native", marks=pytest.mark.skipif(
               not HAS_COMPILER, reason="no C compiler: the native kernels cannot load")),
           pytest.param(False, id="torch-only")]
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "engine"
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from bench.bench_gpu import build_plan, step_names
 from bench.gpu_engine_cases import greedy_verdict
 from bench.gpu_report import Case, CaseRunner, ChildJob, Outcome
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def rows_of(summary: str) -> dict[str, str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # client_examples is not an installed package
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # client_examples is not an installed package
 
 from client_examples.bench_serving import parse_levels, parse_range  # noqa: E402
 from client_examples.bench_stats import (  # noqa: E402

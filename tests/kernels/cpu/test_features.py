@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
 from engine.worker.cpu_threads import ThreadGovernor, read_cpu_busy, read_self_ticks
 from kernels.cpu import features as cpu_features
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = str(Path(__file__).resolve().parents[3])
 # What a cap leaves in the environment (this process's own, under a capped test pass).
 _CAP_STATE = {cpu_features.ISA_ENV, cpu_features.CAP_MARK_ENV, *cpu_features.CAP_VARIABLES}
 

@@ -13,7 +13,7 @@ from engine.sampling_params import (MAX_STOP_CHARS_TOTAL, MAX_STOP_SEQUENCE_IDS,
                                     MAX_STOP_SEQUENCE_IDS_TOTAL, MAX_STOP_STRINGS,
                                     MAX_STOP_STRING_CHARS, MAX_STOP_TOKEN_IDS,
                                     MAX_STOP_TOKEN_SEQUENCES, check_stop_limits)
-from tests.test_detokenizer import delta_text
+from tests.engine.output.test_detokenizer import delta_text
 
 
 class CharTokenizer:
