@@ -136,8 +136,9 @@ def _kernel_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "kernels"}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kernels":
-            if node.module == "kernels":
-                found |= {f"kernels.{a.name}" for a in node.names}
+            # From a package (kernels, kernels.cpu) each name is a module or a re-export.
+            if ENGINE.parent.joinpath(*node.module.split(".")).is_dir():
+                found |= {f"{node.module}.{a.name}" for a in node.names}
             else:
                 found.add(node.module)
     return found
