@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     engine = LLMEngine(EngineConfig.from_dict({"trace_path": args.out, **engine_args}))
     planned = plan(spec, engine.loaded.vocab_size)
     seconds = drive(engine, planned)
-    engine.metrics.trace.close()
+    engine.trace.close()
     tokens = sum(p.max_tokens for p in planned)
     print(f"{len(planned)} requests over {planned[-1].arrival:.1f} s of arrivals, done in "
           f"{seconds:.1f} s ({tokens / seconds:.1f} output tok/s); trace: {args.out}")

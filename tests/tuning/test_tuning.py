@@ -34,7 +34,7 @@ def record(tiny, path, **args):
     engine.abort_request("r4")
     while engine.has_unfinished_requests():
         engine.step()
-    engine.metrics.trace.close()
+    engine.trace.close()
     return engine, prompts
 
 

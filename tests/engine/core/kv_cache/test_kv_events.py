@@ -379,18 +379,18 @@ def test_real_engine_publishes_what_it_caches(tmp_path):
         while engine.has_unfinished_requests():
             engine.step()
             steps += 1
-        preemptions = engine.core.scheduler.num_preemptions_total
+        preemptions = engine.scheduler.num_preemptions_total
         engine.reset_prefix_cache()
         engine.add_request("after", shared + [7, 7, 7],
                            SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
         while engine.has_unfinished_requests():
             engine.step()
-        expected = engine_set(engine.core.scheduler)
+        expected = engine_set(engine.scheduler)
         assert expected
         # The whole history from the replay socket (a subscriber that joins late misses
         # what PUB sent before its subscription arrived), then the live stream's part of
         # it must be the same bytes under the same numbers.
-        assert engine.core.kv_cache.publisher.flush()
+        assert engine.kv_events.flush()
         replayed = _replay_all(replay_port, 0)
         index = KVEventIndex()
         for seq, payload in replayed:
