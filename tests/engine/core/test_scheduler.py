@@ -1,4 +1,6 @@
-"""Hand-checked scenarios for each scheduling and KV-cache rule."""
+"""Hand-checked scenarios for each scheduling rule, and the prefix cache as the scheduler
+uses it. The KV manager's and the stop checker's own rules: kv_cache/test_manager.py,
+test_stop_checker.py."""
 import pytest
 
 from engine.config import CacheConfig, SchedulerConfig
@@ -112,23 +114,6 @@ def test_cache_salt_separates_prefixes():
     assert out.num_scheduled_tokens["b"] == 9
 
 
-def test_allocate_never_counts_free_cache_hits_as_free_space():
-    s = make(num_blocks=4, block_size=4)
-    prefix = list(range(1, 9))  # two blocks
-    s.add_request(req("a", prefix, max_tokens=1))
-    while s.has_unfinished_requests():
-        step(s)
-    kv = s.kv_cache_manager
-    assert kv.num_free_blocks == 4 and len(kv.block_pool.cached_blocks) == 2
-    b = req("b", prefix + list(range(50, 59)), max_tokens=1)  # 17 tokens: 5 blocks in all
-    hits, n = kv.get_computed_blocks(b)
-    assert n == 8 and all(h.ref_cnt == 0 for h in hits)
-    # 3 new blocks <= 4 free, but 2 of the free ones are the hits themselves.
-    assert kv.allocate_slots(b, 9, hits) is None
-    assert kv.num_free_blocks == 4 and all(h.ref_cnt == 0 for h in hits)
-    assert "b" not in kv.req_to_blocks or kv.req_to_blocks["b"] == []
-
-
 def test_watermark_holds_back_admissions_but_not_running_growth():
     s = make(num_blocks=10, block_size=4, watermark=0.2)  # 2 blocks reserved
     s.add_request(req("big", 33))  # 9 blocks: 10 - 9 < 2
@@ -188,29 +173,6 @@ def test_priority_queue_orders_waiting():
     assert [r.request_id for r in s.waiting] == ["early-urgent", "late-urgent", "early-lazy"]
 
 
-def test_stop_rules():
-    s = make()
-    s.add_request(req("eos", 3, eos=2))
-    s.add_request(req("ignore", 3, eos=2, ignore_eos=True, max_tokens=2))
-    s.add_request(req("stopid", 3, stop_token_ids=[9]))
-    s.add_request(req("min", 3, eos=2, min_tokens=2))
-    out = s.schedule()
-    got = s.update_from_output(out, {"eos": [2], "ignore": [2], "stopid": [5], "min": [2]})
-    assert [r.request_id for r in got] == ["eos", "ignore", "stopid", "min"]
-    fin = [r for r in got if r.is_finished]
-    assert [r.request_id for r in fin] == ["eos"]
-    assert fin[0].finish_reason == "stop" and fin[0].stop_reason is None
-    out = s.schedule()
-    # Tokens after a stop in the same step are dropped.
-    fin = s.update_from_output(out, {"ignore": [2], "stopid": [9, 4, 4], "min": [2]})
-    assert all(r.is_finished for r in fin)
-    by_id = {r.request_id: r for r in fin}
-    assert by_id["ignore"].finish_reason == "length" and by_id["ignore"].output_token_ids == [2, 2]
-    assert by_id["stopid"].output_token_ids == [5, 9] and by_id["stopid"].stop_reason == 9
-    assert by_id["min"].finish_reason == "stop" and by_id["min"].num_output_tokens == 2
-    check_drained(s)
-
-
 def test_abort_waiting_and_running_frees_everything():
     s = make(max_num_seqs=1)
     s.add_request(req("run", 40))
@@ -222,21 +184,6 @@ def test_abort_waiting_and_running_frees_everything():
     assert all(r.finish_reason == "abort" for r in aborted)
     check_drained(s)
     assert s.schedule().finished_req_ids == {"run", "wait"}
-
-
-def test_freed_chain_is_evicted_tail_first():
-    s = make(num_blocks=6, block_size=4)
-    prompt = list(range(1, 14))  # 3 full blocks + 1 token
-    s.add_request(req("a", prompt, max_tokens=1))
-    while s.has_unfinished_requests():
-        step(s)
-    kv = s.kv_cache_manager
-    # Need 4 new blocks: the 2 never-used blocks go first, then the chain's tail.
-    s.add_request(req("filler", list(range(100, 113)), max_tokens=1))
-    step(s)
-    b = req("b", prompt, max_tokens=1)
-    _, hit = kv.get_computed_blocks(b)
-    assert hit == 8  # head and middle block survived, the tail block was evicted
 
 
 def test_preempted_request_resumes_from_prefix_cache_and_output_matches():
@@ -261,39 +208,6 @@ def test_preempted_request_resumes_from_prefix_cache_and_output_matches():
     assert tight.kv_cache_manager.prefix_cache_stats.hits > 0
 
 
-def test_stop_token_sequences_match_output_ids_only():
-    s = make()
-    prompt = [5, 6, 1, 2]
-    s.add_request(req("seq", prompt, stop_token_sequences=[[1, 2, 3], [9]]))
-    s.add_request(req("min", prompt, stop_token_sequences=[[9]], min_tokens=2))
-    # The prompt ends with 1, 2: the first 3 completes [1, 2, 3] only across the prompt,
-    # and min's first 9 comes before min_tokens.
-    finished = {}
-    for sampled in ({"seq": [3], "min": [9]}, {"seq": [1], "min": [4]},
-                    {"seq": [2], "min": [9]}, {"seq": [3]}):
-        for r in s.update_from_output(s.schedule(), sampled):
-            if r.is_finished:
-                finished[r.request_id] = r
-    assert finished["min"].stop_reason == [9] and finished["min"].output_token_ids == [9, 4, 9]
-    assert finished["seq"].stop_reason == [1, 2, 3]
-    assert finished["seq"].output_token_ids == [3, 1, 2, 3]
-    assert not finished["seq"].finished_on_stop_token
-    check_drained(s)
-
-
-def test_eos_and_stop_ids_mark_the_request_as_ended_on_a_stop_token():
-    s = make()
-    s.add_request(req("eos", 3, eos=(2, 4)))
-    s.add_request(req("id", 3, stop_token_ids=[9]))
-    s.add_request(req("len", 3, max_tokens=1))
-    fin = {r.request_id: r for r in s.update_from_output(s.schedule(),
-                                                         {"eos": [4], "id": [9], "len": [4]})}
-    assert fin["eos"].finished_on_stop_token and fin["eos"].stop_reason is None
-    assert fin["id"].finished_on_stop_token and fin["id"].stop_reason == 9
-    assert fin["len"].finish_reason == "length" and not fin["len"].finished_on_stop_token
-    check_drained(s)
-
-
 def test_duplicate_request_id_rejected():
     s = make()
     s.add_request(req("r", 5))
@@ -307,20 +221,6 @@ def test_run_to_completion_with_fake_model():
         s.add_request(req(f"r{i}", 5 + 3 * i, max_tokens=10))
     run_to_completion(s, FakeModelRunner(30, 4), on_step=check_step)
     check_drained(s)
-
-
-
-def test_free_uncaches_blocks_whose_kv_was_never_written():
-    # A request can be preempted in the step that granted it tokens (priority policy):
-    # blocks registered at allocation must not serve later prefix hits.
-    s = make(block_size=4)
-    kv = s.kv_cache_manager
-    r = req("r", list(range(1, 13)))
-    assert kv.allocate_slots(r, 12) is not None  # three full blocks, cached at allocation
-    assert len(kv.block_pool.cached_blocks) == 3
-    kv.free(r, num_valid_tokens=5)  # only block 0 (and a bit of block 1) was computed
-    assert list(kv.block_pool.cached_blocks) == [r.block_hashes[0]]
-    assert kv.num_free_blocks == 1000
 
 
 def test_priority_victim_preempted_after_its_grant_is_undone_cleanly():
