@@ -12,7 +12,7 @@ from engine.core.scheduler import Scheduler
 @dataclass
 class StepIds:
     """Who a schedule() call admitted, resumed, kept and preempted, read off the state
-    before and after it (the scheduler's output carries only what the runner needs)."""
+    before and after it, not from the output it checks."""
     new: list[str]
     resumed: list[str]
     running: list[str]
@@ -44,8 +44,13 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput, ids: StepIds | None =
     assert len(scheduler.running) <= cfg.max_num_seqs
     if cfg.long_prefill_token_threshold > 0:
         assert max(out.num_scheduled_tokens.values(), default=0) <= cfg.long_prefill_token_threshold
-    if ids is not None and ids.preempted:
-        assert not ids.new and not ids.resumed, "admitted while preempting"
+    if ids is not None:
+        # vLLM's meaning: preempted in this very step, not before it and not since the
+        # request came back.
+        assert out.preempted_req_ids == set(ids.preempted)
+        if ids.preempted:
+            assert not ids.new and not ids.resumed, "admitted while preempting"
+    assert not out.preempted_req_ids & out.num_scheduled_tokens.keys(), "preempted yet scheduled"
     for request in out.scheduled_requests:
         # A copy of the block table, not the KV manager's own list.
         table = out.block_ids[request.request_id]

@@ -142,6 +142,26 @@ def test_fcfs_preempts_tail_and_resumes_first():
     assert s.waiting.peek() is b and b.num_output_tokens == 1
 
 
+def test_preempted_req_ids_name_a_request_in_the_step_that_preempted_it_only():
+    """vLLM's meaning: the ids preempted in this very step, so the runner drops their
+    state; empty in the steps without a preemption, whether the victim still waits or
+    has been readmitted (it comes back as a resumed request, not as preempted)."""
+    s = make(num_blocks=4, block_size=4, caching=False)
+    s.add_request(req("a", 8, max_tokens=6, ignore_eos=True))
+    s.add_request(req("b", 8, max_tokens=2, ignore_eos=True))
+    steps = []
+    while s.has_unfinished_requests():
+        out, _, ids = step(s)
+        steps.append((set(out.preempted_req_ids), ids))
+    # Step 1: a's first decode needs a third block and evicts b. b cannot come back until
+    # a has finished and freed its four blocks.
+    assert [preempted for preempted, _ in steps] == [set(), {"b"}] + [set()] * (len(steps) - 2)
+    resumed_at = [i for i, (_, ids) in enumerate(steps) if ids.resumed]
+    assert resumed_at == [len(steps) - 1] and steps[-1][1].resumed == ["b"]
+    assert len(steps) > 3 and s.num_preemptions_total == 1
+    check_drained(s)
+
+
 def test_priority_preempts_lowest_priority_not_tail():
     s = make(num_blocks=4, block_size=4, caching=False, policy="priority")
     s.add_request(req("low", 8, max_tokens=20, priority=5, arrival=1.0, ignore_eos=True))
