@@ -24,7 +24,7 @@ from engine import LLM, SamplingParams
 from engine.models import default_model_dir
 from engine.models.gguf_cache import default_gguf_path
 from kernels.cpu import features as cpu_features
-from tests.test_models_support import PagedBatchBuilder
+from testing.model_batch import PagedBatchBuilder
 
 MAX_TOKENS = 32
 PROMPTS = ["The capital of France is", "Here is a recipe for pancakes:", "def fibonacci(n):",

@@ -14,7 +14,7 @@ import torch
 
 from kernels import (add_rms_norm, argmax_rows, paged_attention, reshape_and_cache, rope,
                      silu_mul)
-from tests.paged_batch import make_paged_batch
+from testing.paged_batch import make_paged_batch
 
 
 def microseconds_per_call(fn, repeats: int) -> float:

@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     model = args.model
     if model is None:
-        from tests.tiny_model import make_tiny_model_dir
+        from testing.tiny_model import make_tiny_model_dir
         model = str(make_tiny_model_dir(Path(tempfile.mkdtemp(prefix="bench-tp-")), "llama",
                                         **SMOLLM2_SIZED))
     print(f"CPU {cpu_features.detect().describe()}; model: {args.model or 'random SmolLM2-sized'}"

@@ -1,6 +1,6 @@
 """Kernel correctness cases: every Triton kernel against fp32 attention over the unpaged K/V.
 
-The expected output is computed on the host (tests.paged_batch.dense_attention), so a
+The expected output is computed on the host (testing.paged_batch.dense_attention), so a
 device-side torch bug cannot hide a kernel bug. Each attention case runs with the default
 tiles and with small ones, so tiles span pages and contexts span split-K partitions.
 Shapes shrink in the rehearsal, where the Triton interpreter runs ~5 ms per program step.
@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from bench.gpu_report import Case, Outcome
-from tests.paged_batch import dense_attention, make_paged_batch
+from testing.paged_batch import dense_attention, make_paged_batch
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 4e-2, torch.float16: 1e-2}
 ArgsTransform = Callable[[list], list]

@@ -9,7 +9,7 @@ import torch
 from bench.gpu_kernel_cases import (AttentionShape, attention_cases, check_shapes, compare,
                                     int64_indices, on_device, tiles_for)
 from bench.gpu_report import Case, Outcome
-from tests.paged_batch import dense_attention
+from testing.paged_batch import dense_attention
 
 INT32_LIMIT = 2 ** 31
 

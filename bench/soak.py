@@ -67,10 +67,7 @@ class SoakSummary:
 def _model_spec(label: str, work: Path) -> ModelSpec:
     if label == "default":
         return ModelSpec("default", "", dict(DEFAULT_ARGS))
-    try:
-        from tests.tiny_model import make_tiny_model_dir
-    except ImportError:  # before the move out of the engine package
-        from engine.models.tiny import make_tiny_model_dir
+    from testing.tiny_model import make_tiny_model_dir
     return ModelSpec("tiny", str(make_tiny_model_dir(work / "tiny-llama")), dict(TINY_ARGS))
 
 

@@ -9,9 +9,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1200 --durations=15)
-CAPPED_TESTS=(tests/test_cpu_features.py tests/test_models_loader.py tests/test_models_paged.py
-              tests/test_kernels_cpu_native.py tests/test_sampler.py tests/test_engine_generate.py
-              tests/e2e/test_llm_text.py)
+CAPPED_TESTS=(tests/kernels/cpu/test_features.py tests/engine/worker/test_cpu_threads.py
+              tests/engine/models/test_loader.py tests/engine/models/test_paged.py
+              tests/kernels/cpu/test_native.py tests/engine/sample/test_sampler.py
+              tests/engine/test_generate.py tests/e2e/test_llm_text.py)
 isa=$(.venv/bin/python -c 'from kernels.cpu import features as c; print(c.detect().detected_isa)')
 capped=0
 if [ "${TLE_TEST_CAPPED:-1}" != 0 ] && [ -z "${TLE_CPU_ISA:-}" ]; then

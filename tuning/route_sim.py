@@ -13,7 +13,7 @@ Policies:
 
     python -m tuning.route_sim TRACE --replicas 2 4 8 [--prefixes 32 --prefix-len 512 ...]
 TRACE gives the step-time model (and the engine arguments each replica runs with); the
-workload is synthetic (bench.trace_workload's generator: shared system prompts, bursty
+workload is synthetic (tuning.workload's generator: shared system prompts, bursty
 arrivals, long tails), with the arrival rate scaled by R so that each replica sees the
 same load whatever R is.
 """
@@ -165,7 +165,7 @@ def _row(policy: str, replicas: int, s: Summary) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from bench.trace_workload import WorkloadSpec, plan
+    from tuning.workload import WorkloadSpec, plan
     from tuning.replay import configs
     from tuning.step_model import fit, step_durations
     from tuning.trace_file import read_trace

@@ -219,7 +219,7 @@ class Scheduler:
         evicts itself at its next chunk, every time, until memory frees up (vllm#25538);
         with it, it gets k chunks to finish its recompute, at the cost of evicting
         requests with more work done (random workloads that preempt recompute ~16% more
-        tokens on average; tests/test_scheduler.py has the scenario). The policy's first
+        tokens on average; tests/engine/core/test_scheduler.py has the scenario). The policy's first
         request is never the victim while another runs, so a workload always ends."""
         running = self.running
         if self.config.policy == "priority":

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.e2e.triton_clients import infer_many, llm_inputs
-from tests.test_kv_events import _replay_all, _subscriber, outside_sha256_cbor_chain
+from tests.engine.core.kv_cache.test_kv_events import _replay_all, _subscriber, outside_sha256_cbor_chain
 from tuning.kv_index import KVEventIndex
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 
 from tests.e2e.shared import PROMPTS, greedy
 from tests.e2e.triton_clients import infer_many, llm_inputs, metric_by_instance, scrape_metrics
-from tests.test_kv_events import _replay_all
+from tests.engine.core.kv_cache.test_kv_events import _replay_all
 from tuning.kv_index import KVEventIndex, decode_batch
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import requests
 
 from engine import SamplingParams
 from tests.e2e.triton_clients import infer_many, infer_one, llm_inputs
-from tests.test_structured_output import SCHEMAS
+from tests.engine.structured_output.test_structured_output import SCHEMAS
 
 pytestmark = pytest.mark.slow
 

@@ -1,0 +1,80 @@
+"""Hand-built paged batches for model tests and benches (the real model runner lives elsewhere)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.models import AttentionMetadata
+
+
+@dataclass
+class PagedBatchBuilder:
+    """Gives each sequence scattered KV blocks and turns per-sequence chunks into the flat
+    tensors one forward takes."""
+    block_size: int
+    num_blocks: int
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    _next_free: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # Hand blocks out in a shuffled order so a wrong block-table lookup cannot
+        # accidentally read the right data.
+        gen = torch.Generator().manual_seed(1234)
+        self._next_free = torch.randperm(self.num_blocks, generator=gen).tolist()
+
+    def new_kv_caches(self, loaded, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        shape = (self.num_blocks, self.block_size, loaded.num_kv_heads, loaded.head_dim)
+        return [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                for _ in range(loaded.num_layers)]
+
+    def _ensure_blocks(self, seq_id: str, num_tokens: int) -> list[int]:
+        table = self.block_tables.setdefault(seq_id, [])
+        while len(table) * self.block_size < num_tokens:
+            table.append(self._next_free.pop())
+        return table
+
+    def build(self, chunks: list[tuple[str, list[int], int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """chunks: (seq_id, token ids of this step, position of the first one)."""
+        ids, positions, slots, seq_lens, qsl, tables = [], [], [], [], [0], []
+        for seq_id, tokens, start in chunks:
+            end = start + len(tokens)
+            table = self._ensure_blocks(seq_id, end)
+            for pos in range(start, end):
+                slots.append(table[pos // self.block_size] * self.block_size
+                             + pos % self.block_size)
+            ids.extend(tokens)
+            positions.extend(range(start, end))
+            seq_lens.append(end)
+            qsl.append(qsl[-1] + len(tokens))
+            tables.append(table)
+        width = max(len(t) for t in tables)
+        block_tables = torch.zeros(len(tables), width, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            block_tables=block_tables,
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            max_query_len=max(len(c[1]) for c in chunks),
+            max_seq_len=max(seq_lens))
+        return (torch.tensor(ids, dtype=torch.int64),
+                torch.tensor(positions, dtype=torch.int64), meta)
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    """HF's logits for every position of one unpadded sequence, float32 [len, vocab]."""
+    with torch.inference_mode():
+        out = hf_model(input_ids=torch.tensor([token_ids]), use_cache=False)
+    return out.logits[0].float()
+
+
+def last_logits(loaded, token_ids: list[int]) -> torch.Tensor:
+    """Our model's logits for the last position of one sequence, prefilled alone."""
+    builder = PagedBatchBuilder(block_size=16, num_blocks=8)
+    kv = builder.new_kv_caches(loaded, loaded.dtype)
+    ids, positions, meta = builder.build([("S", token_ids, 0)])
+    with torch.inference_mode():
+        return loaded.model.compute_logits(loaded.model(ids, positions, kv, meta)[-1:])[0]

@@ -1,0 +1,81 @@
+"""Our paged-attention decoder vs HF transformers on tiny random Llama / Qwen2 models:
+mixed prefill / chunked-prefill / decode batches through the paged cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.models import load_model
+from testing.tiny_model import make_tiny_model_dir
+from testing.model_batch import PagedBatchBuilder, hf_logits
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
+def tiny(request, tmp_path_factory):
+    path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_model(path, torch.float32), hf
+
+
+def _run(loaded, kv, builder, chunks):
+    ids, positions, meta = builder.build(chunks)
+    with torch.inference_mode():
+        hidden = loaded.model(ids, positions, kv, meta)
+        assert hidden.shape == (len(ids), loaded.hidden_size)
+        return loaded.model.compute_logits(hidden)
+
+
+def test_mixed_batch_matches_hf(tiny):
+    loaded, hf = tiny
+    gen = torch.Generator().manual_seed(0)
+    seqs = {name: torch.randint(3, 49152, (n,), generator=gen).tolist()
+            for name, n in (("A", 9), ("B", 13), ("C", 8))}
+    builder = PagedBatchBuilder(block_size=4, num_blocks=24)
+    kv = builder.new_kv_caches(loaded, torch.float32)
+    # Each step: (seq, start, end) of tokens to run. A: full prompt then decodes;
+    # B: prefill in two chunks (the second alongside decodes); C: prompt then decodes.
+    steps = [[("A", 0, 7), ("B", 0, 6), ("C", 0, 5)],
+             [("B", 6, 13), ("C", 5, 6), ("A", 7, 8)],
+             [("C", 6, 7), ("A", 8, 9)],
+             [("C", 7, 8)]]
+    reference = {name: hf_logits(hf, toks) for name, toks in seqs.items()}
+    # Random weights must still separate positions, or a wrong position would pass.
+    assert not torch.allclose(reference["A"][5], reference["A"][6], atol=1e-2)
+    for step in steps:
+        logits = _run(loaded, kv, builder, [(n, seqs[n][s:e], s) for n, s, e in step])
+        expected = torch.cat([reference[n][s:e] for n, s, e in step])
+        assert logits.dtype == torch.float32
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_only_for_selected_rows(tiny):
+    loaded, hf = tiny
+    toks = list(range(500, 511))
+    builder = PagedBatchBuilder(block_size=8, num_blocks=4)
+    kv = builder.new_kv_caches(loaded, torch.float32)
+    ids, positions, meta = builder.build([("S", toks, 0)])
+    with torch.inference_mode():
+        hidden = loaded.model(ids, positions, kv, meta)
+        last = loaded.model.compute_logits(hidden[-1:])
+    assert last.shape == (1, loaded.vocab_size)
+    torch.testing.assert_close(last[0], hf_logits(hf, toks)[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_bf16_tracks_hf_bf16(tiny):
+    _, hf_fp32 = tiny
+    path = hf_fp32.name_or_path
+    loaded = load_model(path, torch.bfloat16)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    toks = list(range(1000, 1012))
+    builder = PagedBatchBuilder(block_size=4, num_blocks=8)
+    kv = builder.new_kv_caches(loaded, torch.bfloat16)
+    assert kv[0][0].dtype == loaded.dtype == torch.bfloat16
+    logits = _run(loaded, kv, builder, [("S", toks, 0)])
+    expected = hf_logits(hf, toks)
+    # Different but equally valid bf16 roundings (attention kernels differ); logits
+    # here span about +-2.
+    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
