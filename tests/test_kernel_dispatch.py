@@ -20,7 +20,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 NATIVE = [pytest.param(True, id="native", marks=pytest.mark.skipif(
               not HAS_COMPILER, reason="no C compiler: the native kernels cannot load")),
           pytest.param(False, id="torch-only")]
-ENGINE = Path(__file__).resolve().parent.parent / "engine"
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE = ROOT / "engine"
 
 
 @pytest.fixture
@@ -136,8 +137,9 @@ def _kernel_imports(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "kernels"}
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "kernels":
-            if node.module == "kernels":
-                found |= {f"kernels.{a.name}" for a in node.names}
+            # from a package (kernels, kernels.cpu) each name is a module or a re-export
+            if ROOT.joinpath(*node.module.split(".")).is_dir():
+                found |= {f"{node.module}.{a.name}" for a in node.names}
             else:
                 found.add(node.module)
     return found

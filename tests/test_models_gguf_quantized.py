@@ -53,7 +53,7 @@ def test_quantized_tables_hold_exactly_the_files_values(dense):
 def test_quantized_model_drops_dense_weights_and_stays_close(dense, quantized_llm):
     loaded = quantized_llm.llm_engine.loaded
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight is None and m.quantized is not None for m in linears)
+    assert linears and all(m.weight is None and m.prepared.kind == "gguf" for m in linears)
     assert loaded.model.lm_head_weight is None and loaded.model.model.embed_tokens.weight is None
     tok = quantized_llm.get_tokenizer()
     for prompt in PROMPTS:
