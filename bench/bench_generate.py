@@ -188,8 +188,9 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
 def bytes_per_step(model) -> int:
     """Weight bytes one decode step reads: the dense parameters plus the GGUF tables
     (quantization="gguf"; a tied table counted once, as the lm_head reads it whole)."""
-    tables = {id(t): t for t in [getattr(m, "quantized", None) for m in model.modules()]
-              + [getattr(model, "lm_head_quantized", None)] if t is not None}
+    prepared = [getattr(m, "prepared", None) for m in model.modules()] + [model.lm_head_prepared]
+    tables = {id(w.quantized): w.quantized for w in prepared
+              if w is not None and w.quantized is not None}
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     return dense + sum(t.nbytes for t in tables.values())
 

@@ -4,7 +4,7 @@ The excess must be refused ('server busy', UNAVAILABLE) without waiting for the 
 counted in tle:num_requests_rejected_total, the rest served unchanged, and the server's
 memory must not grow from one burst to the next. Unmeasured warm-up bursts settle what is
 allocated once: gRPC buffers, Python arenas, and oneDNN's compiled matmuls, one per
-weight shape and row-count bucket (engine/models/layers.padded_rows), which a server
+weight shape and row-count bucket (kernels/cpu/onednn.padded_rows), which a server
 builds over its first bursts as it meets new batch sizes. The figures come from the
 bursts after them."""
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """The one place that picks a kernel: the engine calls these and nothing else in kernels/.
 
-Each op goes, by the device of its tensors (the matmuls below are the exceptions: the
-model's Linear layers call oneDNN / torch themselves and ask here only for the cases a
-native kernel does better, and for GGUF-quantized weights):
+Each op goes, by the device of its tensors:
   CUDA -> the Triton kernel where one exists (paged attention, KV writes), else torch;
   CPU  -> the native C kernel (cpu_native) when it handles the dtype and layout, else torch.
 The torch versions (kernels/torch_ops.py) define every op's semantics. Adding a device or
 an ISA-specific kernel means one more branch here; the callers do not change.
+
+The model's matmuls come here too: `prepare_linear` turns a loaded weight (dense, or GGUF
+blocks) into a LinearWeight once (prepacked for oneDNN where that is faster), and
+`linear` picks by its kind and the row count: GGUF native or dense GEMM, the native
+few-row kernel, oneDNN's prepacked GEMM, or F.linear.
 
 These run ~100 times per decode step, so each does one device test and one call: no
 allocation or feature detection of its own (cpu_native caches its library load). The
@@ -20,9 +23,11 @@ import torch.nn.functional as F
 from kernels.cpu import decode_step as cpu_decode_step
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import native as cpu_native
+from kernels.cpu import onednn as cpu_onednn
 from kernels import torch_ops
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
+from kernels.linear_weight import LinearWeight
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -117,7 +122,7 @@ DENSE_ROWS_MAX = 2
 def dense_linear_rows(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T + b by the native row kernel when it is the faster choice (float32 CPU, at
-    most DENSE_ROWS_MAX rows); None otherwise (the caller's matmul runs)."""
+    most DENSE_ROWS_MAX rows); None otherwise (`linear` goes on to oneDNN or torch)."""
     if x.dim() != 2 or x.shape[0] > DENSE_ROWS_MAX or x.is_cuda:
         return None
     return cpu_linear.linear_f32_rows(x, weight, bias)
@@ -148,6 +153,29 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None) 
     if out is not None:
         return out
     return F.linear(x, weight.dequantize().to(x.dtype), bias)
+
+
+def prepare_linear(weight: torch.Tensor | GgufWeight,
+                   bias: torch.Tensor | None) -> LinearWeight:
+    """A loaded layer's weight ([out, in] dense, or GGUF blocks) as `linear` runs it:
+    dense ones prepacked for oneDNN where that is the faster CPU GEMM. Run once loading
+    (and sharding) is done: the packed copy does not track later edits."""
+    if isinstance(weight, GgufWeight):  # the kernel adds a float32 bias
+        return LinearWeight(None, None if bias is None else bias.float(), quantized=weight)
+    return LinearWeight(weight, bias, packed=cpu_onednn.prepack(weight))
+
+
+def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    """x W^T + b, [tokens, in] -> [tokens, out]. A LinearWeight(dense, bias) built
+    without prepare_linear (a model not yet loaded) runs unpacked."""
+    if weight.quantized is not None:
+        return gguf_linear(x, weight.quantized, weight.bias)
+    out = dense_linear_rows(x, weight.dense, weight.bias)
+    if out is not None:
+        return out
+    if weight.packed is not None:
+        return cpu_onednn.linear(x, weight.packed, weight.bias)
+    return F.linear(x, weight.dense, weight.bias)
 
 
 def gguf_embedding(token_ids: torch.Tensor, weight: GgufWeight, dtype: torch.dtype) -> torch.Tensor:

@@ -13,10 +13,11 @@ from torch import nn
 
 from engine.models import single_decode
 from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Embedding, Linear, RMSNorm, SwiGLUMLP, empty_param, linear, prepack_weight
+from engine.models.layers import Embedding, Linear, RMSNorm, SwiGLUMLP, empty_param
 from engine.models.rope import RotaryEmbedding
 from kernels import dispatch
 from kernels.cpu.gguf_weight import GgufWeight
+from kernels.dispatch import LinearWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 CosSin = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # cos, sin, positions
@@ -150,8 +151,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head_weight = self.model.embed_tokens.weight
         else:
             self.lm_head_weight = empty_param(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.lm_head_packed: torch.Tensor | None = None
-        self.lm_head_quantized: GgufWeight | None = None
+        self.lm_head_prepared: LinearWeight | None = None  # as Linear.prepared
         # Tensor parallelism: each rank's lm_head holds a slice of the vocabulary, and this
         # joins the ranks' logit columns into full rows (engine/distributed/sharding.py).
         self.gather_logits = None
@@ -163,20 +163,21 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """[N, vocab] logits, float32 unless `upcast` is False (the sampler then upcasts
         only when it needs more than an argmax)."""
-        logits = linear(hidden, self.lm_head_weight, None, self.lm_head_packed,
-                        self.lm_head_quantized)
+        logits = dispatch.linear(hidden, self.lm_head_prepared
+                                 or LinearWeight(self.lm_head_weight, None))
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
         return logits.float() if upcast else logits
 
     def prepack(self) -> None:
-        """Re-lay weights for the CPU matmul library once loading is done (no-op
-        elsewhere). Must run after load_weights: packed copies do not track edits."""
+        """Hand the dense weights to kernels.dispatch to lay out for their matmuls (on
+        the CPU, oneDNN's blocked copies). Must run after load_weights and sharding:
+        packed copies do not track edits."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack()
         if self.lm_head_weight is not None:
-            self.lm_head_packed = prepack_weight(self.lm_head_weight)
+            self.lm_head_prepared = dispatch.prepare_linear(self.lm_head_weight, None)
 
     def quantize(self, weights: dict[str, GgufWeight]) -> None:
         """Swap dense weights for GGUF-quantized ones, by module name ("lm_head" and
@@ -184,7 +185,8 @@ class LlamaForCausalLM(nn.Module):
         modules = dict(self.named_modules())
         for name, weight in weights.items():
             if name == "lm_head":
-                self.lm_head_quantized, self.lm_head_packed, self.lm_head_weight = weight, None, None
+                self.lm_head_prepared = dispatch.prepare_linear(weight, None)
+                self.lm_head_weight = None
             elif name == "model.embed_tokens":
                 self.model.embed_quantized = weight
                 self.model.embed_tokens.weight = None

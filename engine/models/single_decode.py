@@ -8,13 +8,8 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
-from engine.models.layers import Linear
 from kernels import dispatch
 from kernels.dispatch import DecodeStepPlan, LayerWeights
-
-
-def _weight(linear: Linear):
-    return (linear.quantized if linear.quantized is not None else linear.weight, linear.bias)
 
 
 def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
@@ -24,8 +19,9 @@ def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
     for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
         layers.append(LayerWeights(
-            qkv=_weight(attn.qkv_proj), o=_weight(attn.o_proj), gate_up=_weight(mlp.gate_up_proj),
-            down=_weight(mlp.down_proj), input_norm=layer.input_layernorm.weight,
+            qkv=attn.qkv_proj.kernel_weight(), o=attn.o_proj.kernel_weight(),
+            gate_up=mlp.gate_up_proj.kernel_weight(), down=mlp.down_proj.kernel_weight(),
+            input_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight, key_cache=key_cache,
             value_cache=value_cache))
     first = model.layers[0]

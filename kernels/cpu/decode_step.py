@@ -17,6 +17,7 @@ import torch
 
 from kernels.cpu import native as cpu_native
 from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+from kernels.linear_weight import LinearWeight
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -54,12 +55,12 @@ def _library() -> ctypes.CDLL | None:
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer as the kernel sees it: each matmul a float32 [out, in] tensor or
-    a GgufWeight, with an optional float32 bias."""
-    qkv: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
-    o: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
-    gate_up: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
-    down: tuple[torch.Tensor | GgufWeight, torch.Tensor | None]
+    """One decoder layer as the kernel sees it: each matmul's weight a float32 [out, in]
+    tensor or GGUF blocks, with an optional float32 bias (the oneDNN copy is not read)."""
+    qkv: LinearWeight
+    o: LinearWeight
+    gate_up: LinearWeight
+    down: LinearWeight
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     key_cache: torch.Tensor
@@ -70,7 +71,8 @@ def _float32_cpu(t: torch.Tensor | None) -> bool:
     return t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
 
 
-def _linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None) -> _Linear | None:
+def _linear(linear: LinearWeight) -> _Linear | None:
+    weight, bias = linear.table, linear.bias
     if not _float32_cpu(bias):
         return None
     bias_ptr = None if bias is None else bias.data_ptr()
@@ -117,7 +119,7 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
     block_size = layers[0].key_cache.shape[1]
     table = (_Layer * len(layers))()
     for entry, layer in zip(table, layers):
-        linears = [_linear(*pair) for pair in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        linears = [_linear(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         caches = (layer.key_cache, layer.value_cache)
         if (any(lin is None for lin in linears) or not all(map(_float32_cpu, caches))
                 or not _float32_cpu(layer.input_norm) or not _float32_cpu(layer.post_norm)
@@ -127,7 +129,7 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         entry.key_cache, entry.value_cache = (c.data_ptr() for c in caches)
     hidden = final_norm.shape[0]
-    down = layers[0].down[0]
+    down = layers[0].down.table
     inter = down.in_features if isinstance(down, GgufWeight) else down.shape[1]
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
                    block_size, eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),

@@ -53,7 +53,7 @@ def test_quantized_tables_hold_exactly_the_files_values(dense):
 def test_quantized_model_drops_dense_weights_and_stays_close(dense, quantized_llm):
     loaded = quantized_llm.llm_engine.loaded
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
-    assert linears and all(m.weight is None and m.quantized is not None for m in linears)
+    assert linears and all(m.weight is None and m.prepared.kind == "gguf" for m in linears)
     assert loaded.model.lm_head_weight is None and loaded.model.model.embed_tokens.weight is None
     tok = quantized_llm.get_tokenizer()
     for prompt in PROMPTS:
@@ -71,7 +71,7 @@ def test_quantized_model_drops_dense_weights_and_stays_close(dense, quantized_ll
 def test_quantized_batches_agree_with_requests_run_alone(quantized_llm):
     """Batched rows (prefill chunks, decode batches) take the kernel's 4-row tiles, a
     request alone the 1-row path: the same products summed in another order, so only
-    near-ties may flip a greedy choice (kernel-level exactness: test_kernels_cpu_linear)."""
+    near-ties may flip a greedy choice (kernel-level exactness: tests/kernels/cpu/test_linear.py)."""
     tok = quantized_llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

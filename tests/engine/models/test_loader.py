@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.models import default_model_dir, load_model
 from engine.models import gguf_cache
+from engine.models.layers import Linear
 from engine.models.loader import resolve_dtype
 from testing.tiny_model import make_tiny_model_dir
 from kernels.cpu import features as cpu_features
@@ -90,7 +91,8 @@ def test_explicit_bf16_runs_unpacked_where_oneDNN_cannot_prepack(tiny_dir, monke
     with caplog.at_level("WARNING", logger="engine.models.loader"):
         bf16 = load_model(tiny_dir, "bfloat16")
     assert "emulated" in caplog.text and "avx2" in caplog.text
-    assert all(m.packed is None for m in bf16.model.modules() if hasattr(m, "packed"))
+    prepared = [m.prepared for m in bf16.model.modules() if isinstance(m, Linear)]
+    assert prepared and all(w.kind == "dense" for w in prepared + [bf16.model.lm_head_prepared])
     toks = [5, 99, 1234, 40000, 7]
     got = last_logits(bf16, toks).float()
     ref = last_logits(load_model(tiny_dir, torch.float32), toks)

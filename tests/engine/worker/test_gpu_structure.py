@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.config import CPU_KV_CACHE_BYTES, EngineConfig
+from engine.config import EngineConfig
 from engine.worker.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.worker.gpu_memory import kv_pool_bytes
+from engine.worker.kv_pool import CPU_KV_CACHE_BYTES, pool_bytes
 from engine.llm_engine import LLMEngine
 from testing.tiny_model import make_tiny_model_dir
 
@@ -102,8 +103,8 @@ def test_kv_pool_from_device_memory():
 def test_pool_size_on_cpu_ignores_gpu_memory_utilization(tiny, caplog):
     loaded = LLM(tiny, dtype="float32", num_kv_blocks=16, max_model_len=128).llm_engine.loaded
     config = EngineConfig.from_dict({"device": "cpu", "gpu_memory_utilization": "0.5"})
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"):
-        assert LLMEngine._pool_bytes(config, loaded) == CPU_KV_CACHE_BYTES
+    with caplog.at_level(logging.INFO, logger="engine.worker.kv_pool"):
+        assert pool_bytes(config, loaded) == CPU_KV_CACHE_BYTES
     assert "gpu_memory_utilization ignored: on cpu" in caplog.text
     given = EngineConfig.from_dict({"device": "cpu", "kv_cache_memory_bytes": 1 << 20})
-    assert LLMEngine._pool_bytes(given, loaded) == 1 << 20
+    assert pool_bytes(given, loaded) == 1 << 20

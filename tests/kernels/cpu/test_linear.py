@@ -2,31 +2,17 @@
 GGUF block layout against the gguf package's own quantize/dequantize."""
 import shutil
 
-import gguf
-import numpy as np
 import pytest
 import torch
-from gguf import quants
 
 from kernels import dispatch
 from kernels.cpu import linear as cpu_linear
 from kernels import torch_ops
 from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+from testing.gguf_weights import gguf_weight
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine falls back to torch")
-
-
-def gguf_weight(type_name: str, out_features: int, in_features: int, seed: int = 0):
-    """Random weights quantized by the gguf package -> (GgufWeight, the package's dequantized
-    float32 values)."""
-    rng = np.random.default_rng(seed)
-    dense = (rng.standard_normal((out_features, in_features)) * 0.05
-             + rng.standard_normal((out_features, 1)) * 0.01).astype(np.float32)
-    qtype = getattr(gguf.GGMLQuantizationType, type_name)
-    blocks = quants.quantize(dense, qtype)
-    expected = torch.from_numpy(quants.dequantize(blocks, qtype).astype(np.float32))
-    return GgufWeight.from_blocks(type_name, torch.from_numpy(blocks.copy()), in_features), expected
 
 
 @pytest.mark.parametrize("type_name", sorted(FORMATS))

@@ -1,0 +1,36 @@
+"""A Linear layer's weight as the matmul kernels take it (kernels.dispatch.linear).
+
+The model holds one per layer and never looks inside: dispatch.prepare_linear builds it
+once loading is done, and the kind of weight it holds decides the kernel family.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu.gguf_weight import GgufWeight
+
+
+class LinearWeight:
+    """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks replace it;
+    packed: oneDNN's blocked copy of dense, where prepacking pays off (CPU);
+    quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks)."""
+
+    # Slots: dispatch.linear reads these ~120 times a decode step.
+    __slots__ = ("dense", "packed", "quantized", "bias")
+
+    def __init__(self, dense: torch.Tensor | None, bias: torch.Tensor | None,
+                 packed: torch.Tensor | None = None, quantized: GgufWeight | None = None) -> None:
+        self.dense, self.bias, self.packed, self.quantized = dense, bias, packed, quantized
+
+    @property
+    def kind(self) -> str:
+        """"gguf", "onednn" (prepacked) or "dense": the family dispatch.linear runs; within
+        it the row count still picks (native rows for few, a dense GEMM for long chunks)."""
+        if self.quantized is not None:
+            return "gguf"
+        return "dense" if self.packed is None else "onednn"
+
+    @property
+    def table(self) -> torch.Tensor | GgufWeight:
+        """The weight the native kernels read: the GGUF blocks, else the dense tensor."""
+        return self.dense if self.quantized is None else self.quantized

@@ -1,0 +1,122 @@
+"""kernels.dispatch.linear: which kernel each prepared weight kind and row count reaches,
+and the same numbers (within the int8 / summation-order tolerance) with the native
+library reported unavailable, as on a host without a C compiler."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kernels import LinearWeight, dispatch
+from kernels.cpu import features as cpu_features
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import onednn as cpu_onednn
+from testing.gguf_weights import gguf_weight
+
+needs_native = pytest.mark.skipif(
+    (shutil.which("cc") is None and shutil.which("gcc") is None) or not cpu_linear.available(),
+    reason="no C compiler: the native matmuls cannot load")
+
+
+@pytest.fixture
+def calls(monkeypatch) -> list[str]:
+    """Names of the kernels dispatch.linear ran, in order (a kernel that declined, by
+    returning None, is not counted)."""
+    ran: list[str] = []
+
+    def spy(module, name, label):
+        real = getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            out = real(*args, **kwargs)
+            if out is not None:
+                ran.append(label)
+            return out
+        monkeypatch.setattr(module, name, wrapper)
+
+    spy(cpu_linear, "linear_f32_rows", "native rows")
+    spy(cpu_linear, "linear_gguf", "gguf native")
+    spy(cpu_linear, "dequantize_rows", "gguf dequantize")
+    spy(cpu_onednn, "linear", "onednn")
+    spy(F, "linear", "F.linear")
+    return ran
+
+
+def _dense(dtype=torch.float32, out_features=40, in_features=64):
+    g = torch.Generator().manual_seed(out_features + in_features)
+    return (torch.randn(out_features, in_features, generator=g).to(dtype),
+            torch.randn(out_features, generator=g).to(dtype))
+
+
+def test_prepare_reports_the_kind_this_host_runs():
+    weight, bias = _dense()
+    prepared = dispatch.prepare_linear(weight, bias)
+    assert prepared.kind == ("onednn" if cpu_onednn.can_prepack(weight) else "dense")
+    assert prepared.dense is weight and prepared.bias is bias
+    bf16 = dispatch.prepare_linear(weight.bfloat16(), None)
+    assert bf16.kind == ("onednn" if cpu_features.detect().can_prepack_bf16 else "dense")
+    quantized, _ = gguf_weight("Q4_0", 40, 64)
+    gguf = dispatch.prepare_linear(quantized, bias.bfloat16())
+    assert gguf.kind == "gguf" and gguf.dense is None and gguf.table is quantized
+    assert gguf.bias.dtype == torch.float32  # what the kernel adds
+    assert LinearWeight(weight, bias).kind == "dense"  # not prepared: runs as loaded
+
+
+@needs_native
+@pytest.mark.parametrize("rows, expected", [(1, "native rows"),
+                                            (dispatch.DENSE_ROWS_MAX, "native rows"),
+                                            (dispatch.DENSE_ROWS_MAX + 1, "onednn"), (64, "onednn")])
+def test_dense_float32_takes_native_rows_then_onednn(calls, rows, expected):
+    weight, bias = _dense()
+    prepared = dispatch.prepare_linear(weight, bias)
+    if prepared.kind != "onednn":
+        pytest.skip("no oneDNN prepacking on this CPU")
+    x = torch.randn(rows, 64)
+    torch.testing.assert_close(dispatch.linear(x, prepared), x @ weight.T + bias,
+                               rtol=1e-5, atol=1e-4)
+    assert calls == [expected]
+
+
+@needs_native
+def test_unpacked_and_bf16_weights_take_f_linear(calls):
+    weight, bias = _dense()
+    dispatch.linear(torch.randn(1, 64), LinearWeight(weight, bias))
+    dispatch.linear(torch.randn(5, 64), LinearWeight(weight, bias))
+    assert calls == ["native rows", "F.linear"]
+    calls.clear()
+    bf16 = LinearWeight(weight.bfloat16(), bias.bfloat16())
+    dispatch.linear(torch.randn(1, 64).bfloat16(), bf16)  # the row kernel is float32 only
+    assert calls == ["F.linear"]
+
+
+@needs_native
+@pytest.mark.parametrize("rows, expected", [(1, ["gguf native"]),
+                                            (dispatch.GGUF_DENSE_MIN_ROWS - 1, ["gguf native"]),
+                                            (dispatch.GGUF_DENSE_MIN_ROWS,
+                                             ["gguf dequantize", "F.linear"])])
+def test_gguf_takes_the_int8_kernel_then_the_dense_gemm(calls, rows, expected):
+    quantized, _ = gguf_weight("Q4_1", 40, 64)
+    dispatch.linear(torch.randn(rows, 64), dispatch.prepare_linear(quantized, None))
+    assert calls == expected
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 7, dispatch.GGUF_DENSE_MIN_ROWS])
+def test_without_the_native_library_every_kind_gives_the_same_numbers(monkeypatch, rows):
+    weight, bias = _dense(in_features=96)
+    quantized, dense = gguf_weight("Q8_0", 40, 96)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    kinds = {"dense": LinearWeight(weight, bias), "prepared": dispatch.prepare_linear(weight, bias),
+             "gguf": dispatch.prepare_linear(quantized, bias)}
+    native = {name: dispatch.linear(x, w) for name, w in kinds.items()}
+    monkeypatch.setattr(cpu_linear, "_library", lambda: None)
+    fallback = {name: dispatch.linear(x, w) for name, w in kinds.items()}
+    for name in ("dense", "prepared"):
+        torch.testing.assert_close(fallback[name], native[name], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(fallback[name], F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+    # torch's path dequantizes W and is exact in x; the kernel's int8 activations cost little
+    exact = x @ dense.T + bias
+    torch.testing.assert_close(fallback["gguf"], exact, rtol=1e-5, atol=1e-5)
+    assert float((native["gguf"] - exact).abs().max()) < 0.02 * float(exact.abs().max())
