@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 
 # Engine arguments shared by the served models and the in-process references, so
 # greedy outputs must match token for token. fp32 keeps batched and single-sequence
@@ -45,12 +46,26 @@ def running_server(repo, work, load=(), timeout: float = 420):
 
 @contextlib.contextmanager
 def loaded(client, name: str):
-    """Model `name` loaded on an explicit-mode server for the block, unloaded after."""
+    """Model `name` loaded on an explicit-mode server for the block, unloaded after. The
+    unload is awaited: Triton returns from unload_model before the stub has gone, and a
+    load begun while another model's stub was still shutting down once hung for the
+    whole test timeout (tritonserver 2.51)."""
     client.load_model(name)
     try:
         yield
     finally:
         client.unload_model(name)
+        wait_unloaded(client, name)
+
+
+def wait_unloaded(client, name: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = {m.name: m.state for m in client.get_model_repository_index().models}
+        if states.get(name) not in ("READY", "UNLOADING", "LOADING"):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"model {name!r} still {states.get(name)} {timeout:.0f} s after unload")
 
 
 def assert_loads_fail(client, fragments_by_model: dict[str, list[str]]) -> None:

@@ -17,12 +17,22 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 CONFIG = 'backend: "tle"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
 
 
-def _spawned_workers() -> set[int]:
-    """Pids of live multiprocessing-spawned processes (the TP workers; nothing else on
-    the test's side spawns)."""
+def _spawned_workers(server) -> set[int]:
+    """Pids of live multiprocessing-spawned processes under the server (the TP workers);
+    other programs on the host may spawn too (vLLM's CPU build does)."""
     import psutil
-    return {p.pid for p in psutil.process_iter(["cmdline"])
-            if "spawn_main" in " ".join(p.info["cmdline"] or [])}
+    try:
+        below = psutil.Process(server.process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return set()
+    found = set()
+    for p in below:
+        try:
+            if "spawn_main" in " ".join(p.cmdline()):
+                found.add(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
 
 
 def test_model_json_tensor_parallel_size_2_serves_and_unloads(tmp_path, tiny_model_dir,
@@ -32,9 +42,8 @@ def test_model_json_tensor_parallel_size_2_serves_and_unloads(tmp_path, tiny_mod
     (repo / "tp_llm" / "config.pbtxt").write_text(CONFIG)
     (repo / "tp_llm" / "1" / "model.json").write_text(json.dumps(
         {"model": str(tiny_model_dir), "tensor_parallel_size": 2, **TINY_ENGINE_ARGS}))
-    before = _spawned_workers()
     with running_server(repo, tmp_path, load=["tp_llm"]) as server:
-        workers = _spawned_workers() - before
+        workers = _spawned_workers(server)
         assert len(workers) == 1
         prompt = "The capital of France is"
         outcome = infer_one(server.grpc_url, "tp_llm", llm_inputs(
@@ -47,6 +56,6 @@ def test_model_json_tensor_parallel_size_2_serves_and_unloads(tmp_path, tiny_mod
         assert outcome.text == expected.outputs[0].text
         grpcclient.InferenceServerClient(server.grpc_url).unload_model("tp_llm")
         deadline = time.monotonic() + 30
-        while workers & _spawned_workers() and time.monotonic() < deadline:
+        while workers & _spawned_workers(server) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert not workers & _spawned_workers()
+        assert not workers & _spawned_workers(server)
