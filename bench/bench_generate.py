@@ -11,8 +11,11 @@ prints batch and single-stream output tokens/s for every peer, with engine/peer 
         # (bench/llamacpp_peer.py): the GGUF dequantized to the engine's dtype, and as shipped
   python -m bench.bench_generate --compare quantization=gguf  # + the engine with one argument
         # changed, in this process, alternated with the others like a peer
+  python -m bench.bench_generate --model DIR --gguf DIR/gguf/*.gguf --num-prompts 8 ...
+        # another model (bench/make_model.py writes one, with its GGUF files): every peer
+        # runs DIR, llama.cpp the --gguf files, quantization=gguf the first of them
 
-Workloads (greedy, ignore_eos so lengths are exact):
+Workloads (greedy, ignore_eos so lengths are exact; --num-prompts N keeps the first N):
   fixed     64 prompts (32-64 tokens) x 128 new tokens  (the peers' workload, DESIGN.md 8)
   variable  64 prompts of 64-512 tokens, outputs drawn uniformly from 16-256 tokens
   single    one request (the first workload's first prompt) x 128 new tokens, wall time
@@ -21,11 +24,9 @@ Workloads (greedy, ignore_eos so lengths are exact):
 from __future__ import annotations
 
 import argparse
-import json
-import os
+import gc
 import random
-import subprocess
-import tempfile
+import sys
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -33,8 +34,10 @@ from pathlib import Path
 
 import torch
 
+from bench.peer_runs import (peer_label, run_hf_single, run_hf_static, run_llamacpp,
+                             run_vllm)
 from engine import LLM, SamplingParams
-from engine.models import default_model_dir
+from engine.models import resolve_model_dir
 from engine.models.gguf_cache import default_gguf_path
 from kernels.cpu import features as cpu_features
 
@@ -55,10 +58,11 @@ class Workload:
         return sum(self.max_tokens)
 
 
-def make_workload(name: str, tokenizer, seed: int = 0) -> Workload:
+def make_workload(name: str, tokenizer, seed: int = 0, count: int = 64) -> Workload:
+    """`count` below 64 gives the 64-prompt workload's first `count` requests."""
     rng = random.Random(seed)
     prompts, outs = [], []
-    for _ in range(64):
+    for _ in range(count):
         if name == "fixed":
             plen, olen = rng.randint(32, 64), 128
         else:
@@ -85,33 +89,6 @@ def run_engine(llm: LLM, w: Workload, repeat: int) -> tuple[float, list[int]]:
     return w.total_output / best, list(outs[0].outputs[0].token_ids)[:32]
 
 
-def run_hf_static(model, w: Workload, batch: int, pad_id: int) -> float:
-    """Fixed batches, left-padded; each batch runs to its longest output, and only the
-    tokens each request asked for count."""
-    t0 = time.perf_counter()
-    for start in range(0, len(w.prompts), batch):
-        chunk = w.prompts[start:start + batch]
-        want = max(w.max_tokens[start:start + batch])
-        width = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, max_new_tokens=want, min_new_tokens=want,
-                           do_sample=False, pad_token_id=pad_id)
-    return w.total_output / (time.perf_counter() - t0)
-
-
-def run_hf_single(model, w: Workload, count: int) -> float:
-    t0 = time.perf_counter()
-    produced = 0
-    for prompt, n in list(zip(w.prompts, w.max_tokens))[:count]:
-        with torch.inference_mode():
-            model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0)
-        produced += n
-    return produced / (time.perf_counter() - t0)
-
-
 def single_stream(llm: LLM, prompt: list[int], n: int = 128, repeat: int = 1) -> float:
     """One request alone: n tokens over its wall time (prefill included), best of repeat."""
     params = SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -132,45 +109,25 @@ def run_variant(llm: LLM, w: Workload, single_prompt: list[int], repeat: int) ->
             "greedy_token_ids_first_prompt": ids}
 
 
-def run_peer(python: str, script: str, w: Workload, args: list[str], env: dict | None = None) -> dict:
-    """Run bench/<script> in a peer's venv on w's prompts and lengths; its last stdout
-    line is its JSON result."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump({"prompts": w.prompts, "max_tokens": w.max_tokens}, f)
+def run_fresh_variant(load, w: Workload, single_prompt: list[int], repeat: int) -> dict:
+    """run_variant on an engine loaded for this run alone and freed after it (--sequential)."""
+    llm = load()
     try:
-        done = subprocess.run([python, str(Path(__file__).with_name(script)), f.name, *args],
-                              env=env, capture_output=True, text=True, timeout=3600)
+        return run_variant(llm, w, single_prompt, repeat)
     finally:
-        os.unlink(f.name)
-    if done.returncode != 0:
-        raise RuntimeError(f"{script} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        llm.llm_engine.close()
+        del llm
+        gc.collect()
 
 
-def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int, dtype: str) -> dict:
-    """vLLM's CPU build in its own venv, same prompts and lengths (bench/vllm_peer.py)."""
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
-               VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
-    return run_peer(python, "vllm_peer.py", w, ["--model", str(model_dir), "--repeat", str(repeat),
-                                                "--dtype", dtype], env)
-
-
-def run_llamacpp(python: str, w: Workload, gguf: Path, convert: str | None, repeat: int,
-                 batch_count: int, threads: int) -> dict:
-    """llama.cpp in its own venv (bench/llamacpp_peer.py): the GGUF as shipped, or
-    dequantized to `convert` (F32/BF16/F16) for a same-precision run."""
-    extra = (["--convert", convert] if convert else []) + (["--threads", str(threads)] if threads else [])
-    return run_peer(python, "llamacpp_peer.py", w, ["--gguf", str(gguf), "--repeat", str(repeat),
-                                                    "--batch-count", str(batch_count), *extra])
-
-
-def peer_label(prefix: str, result: dict, num_prompts: int) -> str:
-    if "weights" not in result:
-        return prefix
-    # llama.cpp runs one sequence at a time: its batch figure is the requests in series,
-    # maybe only the first k of them timed.
-    k = result["batch_requests_timed"]
-    return f"{prefix} {result['weights']} (serial{'' if k == num_prompts else f' {k}/{num_prompts}'})"
+def gguf_files(model: str | None, given: list[str] | None) -> list[Path]:
+    """The GGUF files of --model's weights: --gguf, else the model itself when it is one,
+    else the embedded default's when there is no --model; an HF folder names none."""
+    if given:
+        return [Path(p) for p in given]
+    if not model:
+        return [default_gguf_path()]
+    return [Path(model)] if Path(model).suffix == ".gguf" else []
 
 
 def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
@@ -197,7 +154,15 @@ def bytes_per_step(model) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF folder or .gguf file every peer runs (default: the "
+                    "embedded SmolLM2-135M)")
+    ap.add_argument("--gguf", nargs="+", metavar="FILE",
+                    help="GGUF files of --model's weights, for llama.cpp and quantization=gguf "
+                         "(default: --model when it is a .gguf, the embedded one without --model)")
     ap.add_argument("--workload", choices=["fixed", "variable", "all"], default="all")
+    ap.add_argument("--num-prompts", type=int, default=64,
+                    help="requests per batch workload (the first N of the 64): a 1B model on a "
+                         "few cores takes minutes per 64")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--quantization", help="passed to LLM(...) when given (e.g. gguf)")
     ap.add_argument("--hf-batch", type=int, default=64)
@@ -210,7 +175,7 @@ def main() -> None:
     ap.add_argument("--llamacpp-python",
                     help="python of a venv with llama-cpp-python and gguf (see bench/llamacpp_peer.py)")
     ap.add_argument("--llamacpp-gguf", nargs="+", choices=["same", "file"], default=["same", "file"],
-                    help="same: the GGUF dequantized to the engine's dtype; file: as shipped")
+                    help="same: the first GGUF dequantized to the engine's dtype; file: each as shipped")
     ap.add_argument("--llamacpp-batch-count", type=int, default=8,
                     help="requests llama.cpp runs (one after another) for its batch figure; 0: all")
     ap.add_argument("--llamacpp-threads", type=int, default=0,
@@ -221,44 +186,64 @@ def main() -> None:
                          "alternated with the rest: e.g. quantization=gguf, or quantization=none "
                          "beside --quantization gguf")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the engine and the peers; best counts")
+    ap.add_argument("--sequential", action="store_true",
+                    help="measure the engine, free it, then each peer alone (one round): for a "
+                         "model whose copies do not fit in memory side by side (1B in fp32: ~12 GB "
+                         "in the engine, weights + their oneDNN-packed copy + the 2 GiB KV pool)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="alternations engine, peers, engine, ...: the host's speed drifts over "
                          "minutes, and alternating keeps one side from getting all the slow ones")
     args = ap.parse_args()
+    if args.sequential and args.rounds != 1:
+        ap.error("--sequential runs one round: add --rounds 1")
+    ggufs = gguf_files(args.model, args.gguf)
+    gguf_users = [a for a, wanted in (("--llamacpp-python", args.llamacpp_python),
+                                      ("--compare quantization=gguf", "quantization=gguf" in args.compare))
+                  if wanted]
+    if gguf_users and not ggufs:
+        ap.error(f"{gguf_users[0]} needs GGUF files: --model {args.model} is an HF folder, so name "
+                 "them with --gguf (bench/make_model.py writes a folder's)")
 
     extra = {"quantization": args.quantization} if args.quantization else {}
     engine_args = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, **extra)
-    llm = LLM(None, **engine_args)
+    llm = LLM(args.model, **engine_args)
     tok = llm.get_tokenizer()
     dtype = str(llm.llm_engine.loaded.dtype).removeprefix("torch.")  # what "auto" chose
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(default_model_dir(),
+        hf = AutoModelForCausalLM.from_pretrained(resolve_model_dir(args.model),
                                                   torch_dtype=getattr(torch, dtype)).eval()
         hf.generation_config.eos_token_id = None
 
     names = ["fixed", "variable"] if args.workload == "all" else [args.workload]
-    single_prompt = make_workload(names[0], tok).prompts[0]  # "single" column: 128 tokens after it
+    workload = partial(make_workload, tokenizer=tok, count=args.num_prompts)
+    single_prompt = workload(names[0]).prompts[0]  # "single" column: 128 tokens after it
     # Peers run in their own venvs, alternated with the engine once per round.
     peers = []  # (label prefix, run(workload) -> result dict)
     for change in args.compare:
         arg, _, value = change.partition("=")
         if not value:
             ap.error(f"--compare takes NAME=VALUE, got {change!r}")
-        variant = LLM(None, **{**engine_args, "dtype": dtype, arg: value})
-        peers.append((f"engine, {change}", partial(run_variant, variant, single_prompt=single_prompt,
-                                                   repeat=args.repeat)))
+        # quantization=gguf keeps a GGUF file's blocks, so it loads the file, not a folder.
+        model = str(ggufs[0]) if change == "quantization=gguf" else args.model
+        load = partial(LLM, model, **{**engine_args, "dtype": dtype, arg: value})
+        run = partial(run_fresh_variant, load) if args.sequential else partial(run_variant, load())
+        peers.append((f"engine, {change}", partial(run, single_prompt=single_prompt, repeat=args.repeat)))
     if args.vllm_python:
-        peers.append(("vLLM CPU", partial(run_vllm, args.vllm_python, model_dir=default_model_dir(),
-                                          repeat=args.repeat, dtype=dtype)))
+        peers.append(("vLLM CPU", partial(run_vllm, args.vllm_python,
+                                          model_dir=resolve_model_dir(args.model), repeat=args.repeat,
+                                          dtype=dtype, max_model_len=engine_args["max_model_len"])))
     if args.llamacpp_python:
         same = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}[dtype]
-        for which in args.llamacpp_gguf:
+        # "same": the first file at the engine's precision; "file": every file as shipped.
+        runs = [(ggufs[0], same)] if "same" in args.llamacpp_gguf else []
+        if "file" in args.llamacpp_gguf:
+            runs += [(path, None) for path in ggufs]
+        for path, convert in runs:
             peers.append(("llama.cpp", partial(
-                run_llamacpp, args.llamacpp_python, gguf=default_gguf_path(),
-                convert=same if which == "same" else None, repeat=args.repeat,
+                run_llamacpp, args.llamacpp_python, gguf=path, convert=convert, repeat=args.repeat,
                 batch_count=args.llamacpp_batch_count, threads=args.llamacpp_threads)))
 
     figs: dict[str, dict[str, float]] = {"engine": {}}  # label -> column -> best tok/s
@@ -268,37 +253,52 @@ def main() -> None:
     def record(label: str, column: str, value: float | None) -> None:
         if value:
             figs.setdefault(label, {})[column] = max(figs.get(label, {}).get(column, 0.0), value)
+            # As it comes: a 1B model's run takes many minutes, and may be cut short.
+            print(f"[{time.strftime('%H:%M:%S')}] {label}, {column}: {value:.2f} tok/s",
+                  file=sys.stderr, flush=True)
+
+    def peer_turn(name: str, w: Workload) -> None:
+        for prefix, run in peers:
+            r = run(w)
+            label = peer_label(prefix, r, len(w.prompts))
+            record(label, name, r["batch_tok_s"])
+            if name == names[0]:
+                record(label, "single", r["single_tok_s"])
+                greedy.setdefault(label, r["greedy_token_ids_first_prompt"])
+                if "decode_tok_s" in r:
+                    notes[label] = (f"decode {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s'] * 1e3:.0f}"
+                                    f" ms, {r['threads']} threads ({r['gguf']})")
 
     for name in names:
-        w = make_workload(name, tok)
+        w = workload(name)
         for _ in range(args.rounds if peers else 1):
             ours, ids = run_engine(llm, w, args.repeat)
             record("engine", name, ours)
             if name == names[0]:
                 greedy.setdefault("engine", ids)
                 record("engine", "single", single_stream(llm, single_prompt, 128, args.repeat))
-            for prefix, run in peers:
-                r = run(w)
-                label = peer_label(prefix, r, len(w.prompts))
-                record(label, name, r["batch_tok_s"])
-                if name == names[0]:
-                    record(label, "single", r["single_tok_s"])
-                    greedy.setdefault(label, r["greedy_token_ids_first_prompt"])
-                    if "decode_tok_s" in r:
-                        notes[label] = (f"decode {r['decode_tok_s']:.1f} tok/s, TTFT {r['ttft_s'] * 1e3:.0f}"
-                                        f" ms, {r['threads']} threads ({r['gguf']})")
+            if not args.sequential:
+                peer_turn(name, w)
         if hf:
             record(f"HF static (batch {args.hf_batch})", name,
                    run_hf_static(hf, w, args.hf_batch, tok.pad_token_id or 0))
             record("HF one at a time", name, run_hf_single(hf, w, args.hf_single_count))
     if hf:
         record("HF one at a time", "single", run_hf_single(hf, Workload("single", [single_prompt], [128]), 1))
+    weight_bytes = bytes_per_step(llm.llm_engine.runner.model)
+    if args.sequential:
+        llm.llm_engine.close()
+        del llm, hf
+        gc.collect()
+        for name in names:
+            peer_turn(name, workload(name))
 
     columns = names + ["single"]
-    print(f"\nCPU {cpu_features.detect().describe()}, threads={torch.get_num_threads()} "
+    print(f"\nmodel {args.model or 'the embedded SmolLM2-135M'}")
+    print(f"CPU {cpu_features.detect().describe()}, threads={torch.get_num_threads()} "
           f"dtype={dtype} (--dtype {args.dtype}{f', --quantization {args.quantization}' if extra else ''})")
-    print("output tokens/s: batch columns = the 64-request workloads, single = one request x 128 "
-          "tokens; ratio = engine / peer")
+    print(f"output tokens/s: batch columns = the {args.num_prompts}-request workloads, single = one "
+          "request x 128 tokens; ratio = engine / peer")
     width = max(len(label) for label in figs) + 2
     print(f"{'':<{width}}" + "".join(f"{c:>10}{'ratio':>8}" for c in columns))
     for label, row in figs.items():
@@ -317,7 +317,6 @@ def main() -> None:
             print(f"  {label}: greedy ids agree with the engine's for {same_prefix}/{len(ids)} tokens")
 
     stream = figs["engine"]["single"]
-    weight_bytes = bytes_per_step(llm.llm_engine.runner.model)
     bw = copy_bandwidth_gbs()
     roofline = bw * 1e9 / weight_bytes
     print(f"\nsingle stream: {stream:.1f} tok/s; decode roofline {roofline:.1f} tok/s "

@@ -8,8 +8,11 @@ llama.cpp's peer venv (see bench/llamacpp_peer.py):
 
 Every metadata key/value pair is copied with its original value type (arrays, strings and
 the tokenizer tables included); general.file_type is set to the target. Tensors keep their
-names and order. Tensors already stored as F32/F16/BF16 are kept as they are, and for BF16
-and F16 targets 1-D tensors (the norms) become F32, as llama.cpp's own converter does.
+names and order. Tensors already stored as F32 are kept as they are, and so are F16/BF16
+ones unless the target is F32 (they widen exactly: an engine running a BF16 checkpoint in
+float32 computes on those values); for BF16 and F16 targets 1-D tensors (the norms) become
+F32, as llama.cpp's own converter does. Tensors are spooled to a temporary file as they are
+converted, so a 1B model's F32 copy (5 GB) never sits in memory.
 Results are cached under <cache>/peers/, keyed by source path, size, mtime and target.
 """
 from __future__ import annotations
@@ -30,8 +33,8 @@ TARGETS = {  # target name -> (tensor type, general.file_type)
     "BF16": (QT.BF16, LlamaFileType.MOSTLY_BF16),
     "F16": (QT.F16, LlamaFileType.MOSTLY_F16),
 }
-KEEP = {QT.F32, QT.F16, QT.BF16}  # stored unquantized: copied untouched
-_VERSION = 1  # bump when the output changes, so stale cached files are not reused
+HALF = {QT.F16, QT.BF16}  # unquantized: copied untouched, except widened for an F32 target
+_VERSION = 2  # bump when the output changes, so stale cached files are not reused
 
 
 def cache_dir() -> Path:
@@ -62,7 +65,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, target: str = "F32")
     qtype, file_type = TARGETS[target]
     reader = GGUFReader(src)
     arch = reader.get_field("general.architecture").contents()
-    writer = GGUFWriter(dst, arch)  # adds general.architecture itself
+    writer = GGUFWriter(dst, arch, use_temp_file=True)  # adds general.architecture itself
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
             continue  # header pseudo-fields, and the one the writer already holds
@@ -73,7 +76,7 @@ def convert(src: str | os.PathLike, dst: str | os.PathLike, target: str = "F32")
         else:
             _copy_field(writer, field)
     for t in reader.tensors:
-        if t.tensor_type in KEEP:
+        if t.tensor_type == QT.F32 or (t.tensor_type in HALF and target != "F32"):
             writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
             continue
         values = dequantize(t.data, t.tensor_type)  # float32, numpy (row-major) shape

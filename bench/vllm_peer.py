@@ -37,6 +37,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dtype", default="bfloat16", help="as the engine runs (bench_generate passes it)")
     ap.add_argument("--out", default=None, help="also write the result JSON to this file")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="as the engine's (bench_generate passes it); vLLM's default is the model's "
+                         "context, whose KV cache may not fit VLLM_CPU_KVCACHE_SPACE (Llama-3.2: 131072)")
     args = ap.parse_args()
 
     prompts, max_tokens = read_workload(args.workload)
@@ -48,7 +51,7 @@ def main():
     import_s = time.perf_counter() - t_import
 
     t0 = time.perf_counter()
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=64, seed=0)
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=64, seed=0, max_model_len=args.max_model_len)
     startup_s = time.perf_counter() - t0
 
     # Warm-up: 2 short prompts (first 8 tokens of prompts 0 and 1), 8 tokens each.

@@ -1,0 +1,150 @@
+"""A random-weight Llama model of a real model's shape, as an HF folder plus GGUF files of
+the same weights, so the engine, vLLM and llama.cpp all run one model
+(bench_generate --model DIR --gguf DIR/gguf/*.gguf). Nothing is downloaded: the tokenizer
+is the embedded SmolLM2 one, its vocabulary padded with unreachable "[PAD<id>]" entries up
+to the shape's vocab_size, so every id the model can emit decodes on every side.
+
+  python -m bench.make_model --shape llama-3.2-1b --out /tmp/llama-1b   # + BF16, Q8_0, Q4_0
+  python -m bench.make_model --shape tiny --out /tmp/tiny --gguf f32 q8_0
+
+Writes OUT/config.json, generation_config.json, model.safetensors (bf16), the tokenizer
+files, and OUT/gguf/<shape>-<TYPE>.gguf (bench/gguf_from_hf.py; a subfolder, so no loader
+mistakes a GGUF for the folder's checkpoint). The same --seed gives the same weights.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from bench.gguf_from_hf import TYPES, write_gguf
+
+# Llama-3.2-1B's config.json rope_scaling: the engine implements the llama3 rule, and
+# llama.cpp gets it as the rope_freqs tensor (gguf_from_hf.py).
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+SHAPES = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
+                         rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # The same layout scaled down; 128 padding ids so the tests cover the padded vocabulary,
+    # and head_dim 16 still puts rotary frequencies in all three llama3 bands.
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                 vocab_size=49152 + 128, max_position_embeddings=16384, rope_theta=500000.0,
+                 rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+INIT_STD = 0.02  # HF's initializer_range for Llama: the embedding's (see random_weights)
+
+
+def config_for(shape: str, tokenizer_src: Path) -> dict:
+    # bos/eos are the tokenizer's (SmolLM2's 1 and 2), not Llama-3's 128000/128001.
+    ids = json.loads((tokenizer_src / "config.json").read_text())
+    special = {k: ids[k] for k in ("bos_token_id", "eos_token_id") if ids.get(k) is not None}
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+            "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+            "initializer_range": INIT_STD, "pretraining_tp": 1, "use_cache": True,
+            "torch_dtype": "bfloat16", **special, **SHAPES[shape],
+            # Llama-3.2-1B's own value. Without one, transformers 4.57 takes a local folder
+            # for a Mistral one and warns, on every load, that its tokenizer regex is wrong.
+            "transformers_version": "4.45.0.dev0"}
+
+
+def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
+    """HF checkpoint names -> shapes, in the order the RNG fills them: reordering them
+    would change the weights a seed gives."""
+    h, q = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
+    kv, inter = c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": (c["vocab_size"], h)}
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
+                       p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                       p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
+                       p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
+                       p + "mlp.down_proj.weight": (h, inter)})
+    shapes["model.norm.weight"] = (h,)
+    if not c["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (c["vocab_size"], h)
+    return shapes
+
+
+def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    """Matrices N(0, 1/fan_in), so every projection keeps its input's scale (at 2048 wide
+    that is HF's 0.02) and each layer adds to the residual stream about as much as the
+    embedding row holds; the logits then follow the context. With HF's flat 0.02 a narrow
+    model's layers add almost nothing, and a tied table's own row wins: greedy output
+    repeats the prompt's last token. The embedding keeps 0.02. Norm weights are 1 +- 0.1,
+    not HF's exact ones, so a loader that dropped them would change the output."""
+    g = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in weight_shapes(config).items():
+        noise = torch.randn(shape, generator=g)
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * noise
+        else:
+            w = noise * (INIT_STD if "embed_tokens" in name else shape[1] ** -0.5)
+        weights[name] = w.to(torch.bfloat16)
+    return weights
+
+
+def write_tokenizer(out: Path, vocab_size: int, src: Path) -> None:
+    """src's tokenizer with vocab_size entries: the padding ids go into the BPE vocabulary
+    itself (no merge produces them, so encoding is unchanged), not as added tokens, which
+    the tokenizer would scan every text for."""
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    tok = json.loads((src / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    size = 1 + max([*vocab.values(), *(a["id"] for a in tok["added_tokens"])])
+    if vocab_size < size:
+        raise ValueError(f"vocab_size {vocab_size} is below the tokenizer's {size} ids; "
+                         "a BPE vocabulary cannot be cut without breaking its merges")
+    vocab.update({f"[PAD{i}]": i for i in range(size, vocab_size)})
+    (out / "tokenizer.json").write_text(json.dumps(tok, ensure_ascii=False))
+
+
+def make_model(shape: str, out: str | Path, seed: int = 0, gguf: tuple[str, ...] = (),
+               tokenizer_src: str | Path | None = None) -> Path:
+    """Write the HF folder (and the requested GGUF types) to `out`; returns `out`."""
+    from safetensors.torch import save_file
+
+    if tokenizer_src is None:
+        from engine.models import default_model_dir
+        tokenizer_src = default_model_dir()
+    src, out = Path(tokenizer_src), Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = config_for(shape, src)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id") if k in config}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_tokenizer(out, config["vocab_size"], src)
+    save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    for kind in gguf:
+        (out / "gguf").mkdir(exist_ok=True)
+        write_gguf(out, out / "gguf" / f"{shape}-{kind.upper()}.gguf", kind, name=f"random {shape}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), required=True)
+    ap.add_argument("--out", required=True, help="the HF folder to write (created)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gguf", nargs="*", choices=sorted(TYPES), default=["bf16", "q8_0", "q4_0"],
+                    help="GGUF files of the same weights to write under OUT/gguf/ (none: --gguf)")
+    args = ap.parse_args()
+    out = make_model(args.shape, args.out, args.seed, tuple(args.gguf))
+    for path in [out, *sorted((out / "gguf").glob("*.gguf"))]:
+        print(path)
+
+
+if __name__ == "__main__":
+    main()
