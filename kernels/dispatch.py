@@ -121,10 +121,12 @@ DENSE_ROWS_MAX = 2
 
 def dense_linear_rows(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor | None:
-    """x W^T + b by the native row kernel when it is the faster choice (float32 CPU, at
-    most DENSE_ROWS_MAX rows); None otherwise (`linear` goes on to oneDNN or torch)."""
+    """x W^T + b by the native row kernel when it is the faster choice (float32 or bf16
+    CPU, at most DENSE_ROWS_MAX rows); None otherwise (`linear` goes on to oneDNN or torch)."""
     if x.dim() != 2 or x.shape[0] > DENSE_ROWS_MAX or x.is_cuda:
         return None
+    if x.dtype == torch.bfloat16:
+        return cpu_linear.linear_bf16_rows(x, weight, bias)
     return cpu_linear.linear_f32_rows(x, weight, bias)
 
 
@@ -203,6 +205,6 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
                      cos_table: torch.Tensor, sin_table: torch.Tensor,
                      final_norm: torch.Tensor) -> DecodeStepPlan | None:
     """A single sequence's decode step through every layer in one native call (float32
-    on CPU; kernels/cpu/decode_step.py), or None where it does not apply."""
+    or bf16 on CPU; kernels/cpu/decode_step.py), or None where it does not apply."""
     return cpu_decode_step.plan(layers, num_heads, num_kv_heads, head_dim, rot_half, eps,
                                 scale, cos_table, sin_table, final_norm)

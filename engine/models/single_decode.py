@@ -13,8 +13,8 @@ from kernels.dispatch import DecodeStepPlan, LayerWeights
 
 
 def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
-    """model: a LlamaModel; None unless every layer is float32 on CPU with dense or GGUF
-    weights (bf16, GPUs and other formats keep the layer-by-layer path)."""
+    """model: a LlamaModel; None unless every layer is float32 or bf16 on CPU with dense
+    or GGUF weights (GPUs and other formats keep the layer-by-layer path)."""
     layers = []
     for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp

@@ -5,10 +5,11 @@
  * of a 12 ms token on SmolLM2 (30 layers, 2-core AVX2 EPYC), a third of the step. Here
  * the same kernels run in the same order on the same inputs, so the result is bit-equal
  * to the layer-by-layer path (engine/models/llama.py), which stays the reference and
- * serves every other case (batches, prefill, bf16, GPUs).
+ * serves every other case (batches, prefill, GPUs).
  *
- * Activations are float32; each matmul is either dense float32 (linear_f32_rows) or
- * GGUF blocks (linear_gguf). The caller keeps the descriptors and the scratch buffer.
+ * Activations are float32 or bf16 (the model's dtype, one for the whole step); each
+ * matmul is dense in that dtype (linear_f32_rows, linear_bf16_rows) or GGUF blocks
+ * (linear_gguf). The caller keeps the descriptors and the scratch buffer.
  */
 #include <stdint.h>
 #include <string.h>
@@ -16,13 +17,23 @@
 /* The chained kernels, from the other sources of this library. */
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                       int64_t rows, int64_t hidden, float eps, int num_threads);
+void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                       uint16_t *out, int64_t rows, int64_t hidden, float eps, int num_threads);
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
                   int num_threads);
+void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
+                   int num_threads);
 void rope_f32(const float *qkv, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,
               int64_t rot_half, const int64_t *positions, const float *cos_table,
               const float *sin_table, float *out, int num_threads);
+void rope_bf16(const uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t heads,
+               int64_t dim, int64_t rot_half, const int64_t *positions, const uint16_t *cos_table,
+               const uint16_t *sin_table, uint16_t *out, int num_threads);
 void reshape_and_cache_32(const uint32_t *key, int64_t key_stride, const uint32_t *value,
                           int64_t value_stride, uint32_t *key_cache, uint32_t *value_cache,
+                          const int64_t *slots, int64_t tokens, int64_t row, int num_threads);
+void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_t *value,
+                          int64_t value_stride, uint16_t *key_cache, uint16_t *value_cache,
                           const int64_t *slots, int64_t tokens, int64_t row, int num_threads);
 int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
                            void *out, const int32_t *block_tables, const int32_t *seq_lens,
@@ -34,39 +45,52 @@ int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset
                 int out_bf16, int num_threads);
 void linear_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,
                      int64_t n, int64_t k, int num_threads);
+int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+                     int64_t m, int64_t n, int64_t k, int num_threads);
+
+#define DENSE_F32 (-1)
+#define DENSE_BF16 (-2)
 
 /* Field order and types must match kernels/cpu/decode_step.py. */
 typedef struct {
-    int64_t type;          /* -1: dense float32 [n, k]; else the GGUF type id */
+    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k] in the step's dtype), else a GGUF type id */
     const void *weight;    /* dense weights, or the GGUF codes */
     const float *scales;   /* GGUF only */
     const float *offsets;  /* GGUF Q4_1 only, else NULL */
-    const float *bias;     /* float32 [n] or NULL */
+    const void *bias;      /* [n] or NULL: the step's dtype beside dense weights, float32 beside GGUF */
     int64_t n, k;
 } linear_t;
 
 typedef struct {
     linear_t qkv, o, gate_up, down;
-    const float *input_norm, *post_norm;
-    float *key_cache, *value_cache;
+    const void *input_norm, *post_norm;
+    void *key_cache, *value_cache;
 } layer_t;
 
 typedef struct {
     int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, rot_half, inter;
     int64_t block_size;
+    int64_t is_bf16;       /* activations, norms, rope tables and KV cache: bf16, else float32 */
     double eps, scale;
-    const float *cos_table, *sin_table, *final_norm;
+    const void *cos_table, *sin_table, *final_norm;
     const layer_t *layers;
 } model_t;
 
-static int run_linear(const linear_t *lin, const float *x, float *y, int num_threads) {
-    if (lin->type < 0) {
-        linear_f32_rows(x, (const float *)lin->weight, lin->bias, y, 1, lin->n, lin->k,
-                        num_threads);
+static int run_linear(const linear_t *lin, const void *x, void *y, int bf16, int num_threads) {
+    if (lin->type == DENSE_F32) {
+        linear_f32_rows(x, lin->weight, lin->bias, y, 1, lin->n, lin->k, num_threads);
         return 0;
     }
+    if (lin->type == DENSE_BF16)
+        return linear_bf16_rows(x, lin->weight, lin->bias, y, 1, lin->n, lin->k, num_threads);
     return linear_gguf((int)lin->type, (const uint8_t *)lin->weight, lin->scales, lin->offsets,
-                       lin->n, lin->k, x, 0, 1, lin->bias, y, 0, num_threads);
+                       lin->n, lin->k, x, bf16, 1, lin->bias, y, bf16, num_threads);
+}
+
+static void norm(int bf16, const void *x, void *residual, const void *weight, void *out,
+                 int64_t hidden, float eps, int num_threads) {
+    if (bf16) add_rms_norm_bf16(x, residual, weight, out, 1, hidden, eps, num_threads);
+    else add_rms_norm_f32(x, residual, weight, out, 1, hidden, eps, num_threads);
 }
 
 int64_t decode_step_scratch_floats(const model_t *m) {
@@ -75,49 +99,59 @@ int64_t decode_step_scratch_floats(const model_t *m) {
            + m->num_heads * m->head_dim + 3 * m->inter;
 }
 
-/* x: the token's embedding [hidden]; out: the final norm's output [hidden]. scratch holds
- * decode_step_scratch_floats(m) floats. Returns 0, or a kernel's error code (nothing is
- * left half-done that a rerun of the layer-by-layer path would not redo identically:
- * the K/V written so far are the same values). */
-int decode_step_f32(const model_t *m, const float *x, float *out, float *scratch,
-                    int64_t position, int64_t slot, const int32_t *block_table,
-                    int32_t max_blocks, int32_t seq_len, int num_threads) {
+/* x: the token's embedding [hidden]; out: the final norm's output [hidden], both in the
+ * step's dtype. scratch holds decode_step_scratch_floats(m) floats. Returns 0, or a
+ * kernel's error code (nothing is left half-done that a rerun of the layer-by-layer path
+ * would not redo identically: the K/V written so far are the same values). */
+int decode_step(const model_t *m, const void *x, void *out, void *scratch, int64_t position,
+                int64_t slot, const int32_t *block_table, int32_t max_blocks, int32_t seq_len,
+                int num_threads) {
+    const int bf16 = m->is_bf16 != 0;
+    const size_t elem = bf16 ? 2 : 4;
     const int64_t hidden = m->hidden, heads = m->num_heads, kv_heads = m->num_kv_heads;
     const int64_t dim = m->head_dim, qkv_width = (heads + 2 * kv_heads) * dim;
-    float *residual = scratch, *normed = residual + hidden, *layer_out = normed + hidden;
-    float *qkv = layer_out + hidden, *rotated = qkv + qkv_width;
-    float *attn = rotated + (heads + kv_heads) * dim, *gate_up = attn + heads * dim;
-    float *act = gate_up + 2 * m->inter;
-    memcpy(residual, x, (size_t)hidden * sizeof(float));
-    const float *layer_in = NULL;  /* the first layer's residual is the embedding itself */
+    const float eps = (float)m->eps;
+    char *residual = scratch, *normed = residual + hidden * elem;
+    char *layer_out = normed + hidden * elem, *qkv = layer_out + hidden * elem;
+    char *rotated = qkv + qkv_width * elem, *attn = rotated + (heads + kv_heads) * dim * elem;
+    char *gate_up = attn + heads * dim * elem, *act = gate_up + 2 * m->inter * elem;
+    memcpy(residual, x, (size_t)hidden * elem);
+    const void *layer_in = NULL;  /* the first layer's residual is the embedding itself */
     for (int64_t l = 0; l < m->num_layers; l++) {
         const layer_t *layer = &m->layers[l];
         int status;
-        add_rms_norm_f32(layer_in, residual, layer->input_norm, normed, 1, hidden,
-                         (float)m->eps, num_threads);
-        if ((status = run_linear(&layer->qkv, normed, qkv, num_threads)) != 0) return status;
+        norm(bf16, layer_in, residual, layer->input_norm, normed, hidden, eps, num_threads);
+        if ((status = run_linear(&layer->qkv, normed, qkv, bf16, num_threads)) != 0) return status;
         /* q and k rotated side by side; v read in place from the projection */
-        rope_f32(qkv, qkv_width, 1, heads + kv_heads, dim, m->rot_half, &position,
-                 m->cos_table, m->sin_table, rotated, num_threads);
-        reshape_and_cache_32((const uint32_t *)(rotated + heads * dim), (heads + kv_heads) * dim,
-                             (const uint32_t *)(qkv + (heads + kv_heads) * dim), qkv_width,
-                             (uint32_t *)layer->key_cache, (uint32_t *)layer->value_cache,
-                             &slot, 1, kv_heads * dim, num_threads);
+        char *value = qkv + (heads + kv_heads) * dim * elem, *key = rotated + heads * dim * elem;
+        if (bf16) {
+            rope_bf16((const uint16_t *)qkv, qkv_width, 1, heads + kv_heads, dim, m->rot_half,
+                      &position, m->cos_table, m->sin_table, (uint16_t *)rotated, num_threads);
+            reshape_and_cache_16((const uint16_t *)key, (heads + kv_heads) * dim,
+                                 (const uint16_t *)value, qkv_width, layer->key_cache,
+                                 layer->value_cache, &slot, 1, kv_heads * dim, num_threads);
+        } else {
+            rope_f32((const float *)qkv, qkv_width, 1, heads + kv_heads, dim, m->rot_half,
+                     &position, m->cos_table, m->sin_table, (float *)rotated, num_threads);
+            reshape_and_cache_32((const uint32_t *)key, (heads + kv_heads) * dim,
+                                 (const uint32_t *)value, qkv_width, layer->key_cache,
+                                 layer->value_cache, &slot, 1, kv_heads * dim, num_threads);
+        }
         status = paged_decode_attention(rotated, layer->key_cache, layer->value_cache, attn,
                                         block_table, &seq_len, 1, (int)heads, (int)kv_heads,
                                         (int)dim, (int)m->block_size, max_blocks,
-                                        (float)m->scale, 0, num_threads);
+                                        (float)m->scale, bf16, num_threads);
         if (status != 0) return status;
-        if ((status = run_linear(&layer->o, attn, layer_out, num_threads)) != 0) return status;
-        add_rms_norm_f32(layer_out, residual, layer->post_norm, normed, 1, hidden,
-                         (float)m->eps, num_threads);
-        if ((status = run_linear(&layer->gate_up, normed, gate_up, num_threads)) != 0)
+        if ((status = run_linear(&layer->o, attn, layer_out, bf16, num_threads)) != 0) return status;
+        norm(bf16, layer_out, residual, layer->post_norm, normed, hidden, eps, num_threads);
+        if ((status = run_linear(&layer->gate_up, normed, gate_up, bf16, num_threads)) != 0)
             return status;
-        silu_mul_f32(gate_up, act, 1, m->inter, num_threads);
-        if ((status = run_linear(&layer->down, act, layer_out, num_threads)) != 0) return status;
+        if (bf16) silu_mul_bf16((const uint16_t *)gate_up, (uint16_t *)act, 1, m->inter, num_threads);
+        else silu_mul_f32((const float *)gate_up, (float *)act, 1, m->inter, num_threads);
+        if ((status = run_linear(&layer->down, act, layer_out, bf16, num_threads)) != 0)
+            return status;
         layer_in = layer_out;
     }
-    add_rms_norm_f32(layer_in, residual, m->final_norm, out, 1, hidden, (float)m->eps,
-                     num_threads);
+    norm(bf16, layer_in, residual, m->final_norm, out, hidden, eps, num_threads);
     return 0;
 }

@@ -4,8 +4,9 @@ Python-level kernel calls a layer.
 
 The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
 cache); a step then passes the token's embedding, position, slot and block table.
-Applies to float32 activations on CPU with dense float32 or GGUF Q4_0/Q4_1/Q8_0
-weights; `plan` returns None otherwise and the caller keeps its own path.
+Applies on CPU to float32 or bf16 models (activations, norms, rope tables and KV cache
+in one dtype) with dense weights in that dtype or GGUF Q4_0/Q4_1/Q8_0 blocks; `plan`
+returns None otherwise and the caller keeps its own path.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("rot_half", _I64), ("inter", _I64),
-                ("block_size", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("block_size", _I64), ("is_bf16", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
                 ("cos_table", _P), ("sin_table", _P), ("final_norm", _P),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -47,16 +48,17 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.decode_step_scratch_floats.restype = _I64
     lib.decode_step_scratch_floats.argtypes = [ctypes.POINTER(_Model)]
-    lib.decode_step_f32.restype = _I32
-    lib.decode_step_f32.argtypes = [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32,
+    lib.decode_step.restype = _I32
+    lib.decode_step.argtypes = [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32,
                                     _I32, _I32]
     return lib
 
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer as the kernel sees it: each matmul's weight a float32 [out, in]
-    tensor or GGUF blocks, with an optional float32 bias (the oneDNN copy is not read)."""
+    """One decoder layer as the kernel sees it: each matmul's weight an [out, in] tensor in
+    the model's dtype or GGUF blocks, with an optional bias (the model's dtype, float32
+    beside GGUF blocks; the oneDNN copy is not read)."""
     qkv: LinearWeight
     o: LinearWeight
     gate_up: LinearWeight
@@ -67,23 +69,26 @@ class LayerWeights:
     value_cache: torch.Tensor
 
 
-def _float32_cpu(t: torch.Tensor | None) -> bool:
-    return t is None or (t.dtype == torch.float32 and t.is_cpu and t.is_contiguous())
+# The dense weight types of decode_step.c's linear_t (GGUF blocks carry their type id).
+_DENSE = {torch.float32: -1, torch.bfloat16: -2}
 
 
-def _linear(linear: LinearWeight) -> _Linear | None:
+def _cpu(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
+    return t is None or (t.dtype == dtype and t.is_cpu and t.is_contiguous())
+
+
+def _linear(linear: LinearWeight, dtype: torch.dtype) -> _Linear | None:
     weight, bias = linear.table, linear.bias
-    if not _float32_cpu(bias):
-        return None
-    bias_ptr = None if bias is None else bias.data_ptr()
     if isinstance(weight, GgufWeight):
-        if not weight.qs.is_cpu or weight.type_name not in FORMATS:
+        if not weight.qs.is_cpu or weight.type_name not in FORMATS or not _cpu(bias, torch.float32):
             return None
         type_id, qs, d, offset, n, k = weight.kernel_args
-        return _Linear(type_id, qs, d, offset or None, bias_ptr, n, k)
-    if not _float32_cpu(weight) or weight.dim() != 2:
+        return _Linear(type_id, qs, d, offset or None, None if bias is None else bias.data_ptr(),
+                       n, k)
+    if not _cpu(weight, dtype) or weight.dim() != 2 or not _cpu(bias, dtype):
         return None
-    return _Linear(-1, weight.data_ptr(), None, None, bias_ptr, weight.shape[0], weight.shape[1])
+    return _Linear(_DENSE[dtype], weight.data_ptr(), None, None,
+                   None if bias is None else bias.data_ptr(), weight.shape[0], weight.shape[1])
 
 
 class DecodeStepPlan:
@@ -93,14 +98,18 @@ class DecodeStepPlan:
     def __init__(self, model: _Model, keep: list, scratch: torch.Tensor) -> None:
         self._model, self._keep, self._scratch = model, keep, scratch
         self.hidden = model.hidden
+        self.dtype = torch.bfloat16 if model.is_bf16 else torch.float32
 
     def run(self, embedding: torch.Tensor, position: int, slot: int, block_table: torch.Tensor,
             seq_len: int) -> torch.Tensor | None:
-        """[1, hidden] float32 final-norm output for the token whose embedding is given,
-        writing its K/V at `slot`; None if a kernel refused (the caller's path reruns)."""
+        """[1, hidden] final-norm output (the model's dtype) for the token whose embedding
+        is given, writing its K/V at `slot`; None if a kernel refused (the caller's path
+        reruns)."""
+        if embedding.dtype != self.dtype:
+            return None
         lib = _library()
-        out = torch.empty(1, self.hidden, dtype=torch.float32)
-        status = lib.decode_step_f32(ctypes.byref(self._model), embedding.data_ptr(),
+        out = torch.empty(1, self.hidden, dtype=self.dtype)
+        status = lib.decode_step(ctypes.byref(self._model), embedding.data_ptr(),
                                      out.data_ptr(), self._scratch.data_ptr(), position, slot,
                                      block_table.data_ptr(), block_table.shape[-1], seq_len,
                                      torch.get_num_threads())
@@ -110,29 +119,31 @@ class DecodeStepPlan:
 def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
          rot_half: int, eps: float, scale: float, cos_table: torch.Tensor,
          sin_table: torch.Tensor, final_norm: torch.Tensor) -> DecodeStepPlan | None:
-    """None when the fused step does not apply (no library, a bf16 or GPU tensor, a
-    weight format the kernel lacks); the layer-by-layer path then serves."""
-    if _library() is None or not layers:
+    """None when the fused step does not apply (no library, a GPU tensor, a dtype other
+    than float32 / bf16 or mixed dtypes, a weight format the kernel lacks); the
+    layer-by-layer path then serves. The model's dtype is final_norm's."""
+    dtype = final_norm.dtype
+    if _library() is None or not layers or dtype not in _DENSE:
         return None
-    if not all(_float32_cpu(t) for t in (cos_table, sin_table, final_norm)):
+    if not all(_cpu(t, dtype) for t in (cos_table, sin_table, final_norm)):
         return None
     block_size = layers[0].key_cache.shape[1]
     table = (_Layer * len(layers))()
     for entry, layer in zip(table, layers):
-        linears = [_linear(w) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        caches = (layer.key_cache, layer.value_cache)
-        if (any(lin is None for lin in linears) or not all(map(_float32_cpu, caches))
-                or not _float32_cpu(layer.input_norm) or not _float32_cpu(layer.post_norm)
+        linears = [_linear(w, dtype) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        tensors = (layer.key_cache, layer.value_cache, layer.input_norm, layer.post_norm)
+        if (any(lin is None for lin in linears) or not all(_cpu(t, dtype) for t in tensors)
                 or layer.key_cache.shape[1] != block_size):
             return None
         entry.qkv, entry.o, entry.gate_up, entry.down = linears
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
-        entry.key_cache, entry.value_cache = (c.data_ptr() for c in caches)
+        entry.key_cache = layer.key_cache.data_ptr()
+        entry.value_cache = layer.value_cache.data_ptr()
     hidden = final_norm.shape[0]
     down = layers[0].down.table
     inter = down.in_features if isinstance(down, GgufWeight) else down.shape[1]
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
-                   block_size, eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),
+                   block_size, int(dtype == torch.bfloat16), eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),
                    final_norm.data_ptr(), table)
     scratch = torch.empty(_library().decode_step_scratch_floats(ctypes.byref(model)),
                           dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""Native CPU matmuls for few rows (kernels/cpu/linear_f32.c) and for GGUF-quantized
+"""Native CPU matmuls for few rows (kernels/cpu/linear_f32.c, linear_bf16.c) and for GGUF-quantized
 weights (kernels/cpu/linear_quant.c), loaded with the other C kernels (cpu_native).
 
 Each function returns None when it does not apply (no library, dtype, layout, device);
@@ -17,6 +17,8 @@ from kernels.cpu.gguf_weight import FORMATS, GgufWeight
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "linear_f32_rows": (None, [_P, _P, _P, _P, _I64, _I64, _I64, _I32]),
+    "linear_bf16_rows": (_I32, [_P, _P, _P, _P, _I64, _I64, _I64, _I32]),
+    "linear_bf16_uses_dpbf16": (_I32, []),
     "linear_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
     "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
 }
@@ -56,6 +58,31 @@ def linear_f32_rows(x: torch.Tensor, weight: torch.Tensor,
     lib.linear_f32_rows(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(), rows, n, k,
                         torch.get_num_threads())
     return out
+
+
+def linear_bf16_rows(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + b for a 2-D bf16 x and bf16 W (and bias) on CPU, float32 sums; None if not
+    applicable."""
+    lib = _library()
+    if (lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+            or not x.is_cpu or not weight.is_cpu or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+        return None
+    x = x.contiguous()
+    rows, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty(rows, n, dtype=torch.bfloat16)
+    status = lib.linear_bf16_rows(x.data_ptr(), weight.data_ptr(), _ptr(bias), out.data_ptr(),
+                                  rows, n, k, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def bf16_rows_use_dpbf16() -> bool | None:
+    """Whether the loaded build's bf16 row kernel runs AVX-512 BF16's vdpbf16ps (True) or
+    widens to float32 and uses FMA (False); None without the library."""
+    lib = _library()
+    return None if lib is None else bool(lib.linear_bf16_uses_dpbf16())
 
 
 def linear_gguf(x: torch.Tensor, weight: GgufWeight,

@@ -37,6 +37,7 @@ def calls(monkeypatch) -> list[str]:
         monkeypatch.setattr(module, name, wrapper)
 
     spy(cpu_linear, "linear_f32_rows", "native rows")
+    spy(cpu_linear, "linear_bf16_rows", "native bf16 rows")
     spy(cpu_linear, "linear_gguf", "gguf native")
     spy(cpu_linear, "dequantize_rows", "gguf dequantize")
     spy(cpu_onednn, "linear", "onednn")
@@ -80,15 +81,24 @@ def test_dense_float32_takes_native_rows_then_onednn(calls, rows, expected):
 
 
 @needs_native
-def test_unpacked_and_bf16_weights_take_f_linear(calls):
+def test_unpacked_weights_take_native_rows_then_f_linear(calls):
     weight, bias = _dense()
     dispatch.linear(torch.randn(1, 64), LinearWeight(weight, bias))
     dispatch.linear(torch.randn(5, 64), LinearWeight(weight, bias))
     assert calls == ["native rows", "F.linear"]
-    calls.clear()
-    bf16 = LinearWeight(weight.bfloat16(), bias.bfloat16())
-    dispatch.linear(torch.randn(1, 64).bfloat16(), bf16)  # the row kernel is float32 only
-    assert calls == ["F.linear"]
+
+
+@needs_native
+def test_bf16_weights_take_native_bf16_rows_then_onednn_or_f_linear(calls):
+    weight, bias = _dense(torch.bfloat16)
+    prepared = dispatch.prepare_linear(weight, bias)
+    x = torch.randn(dispatch.DENSE_ROWS_MAX + 1, 64).bfloat16()
+    for rows in (1, dispatch.DENSE_ROWS_MAX, dispatch.DENSE_ROWS_MAX + 1):
+        torch.testing.assert_close(dispatch.linear(x[:rows], prepared).float(),
+                                   x[:rows].float() @ weight.float().T + bias.float(),
+                                   rtol=1e-2, atol=2e-2)
+    wide = "onednn" if prepared.kind == "onednn" else "F.linear"
+    assert calls == ["native bf16 rows", "native bf16 rows", wide]
 
 
 @needs_native

@@ -1,6 +1,7 @@
 """A single sequence's decode step in one native call (engine/models/single_decode.py)
 gives bit-equal results to the layer-by-layer path it skips: same tokens, same logprobs,
-same K/V, for dense float32 (Llama, Qwen2 with q/k/v biases) and GGUF-quantized weights."""
+same K/V, for dense float32 and bf16 (Llama, Qwen2 with q/k/v biases) and GGUF-quantized
+weights under float32 and bf16 activations."""
 from __future__ import annotations
 
 import pytest
@@ -31,24 +32,27 @@ def one_at_a_time(llm: LLM, single_decode: bool, max_tokens: int = 12):
     return results, model._single_plan
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fused_step_is_bit_equal_on_dense_float32(arch, tmp_path):
+def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path):
     path = make_tiny_model_dir(tmp_path, arch=arch, seed=11, num_hidden_layers=3)
 
     def engine():
-        return LLM(str(path), dtype="float32", num_kv_blocks=64, block_size=8, max_model_len=128)
+        return LLM(str(path), dtype=dtype, num_kv_blocks=64, block_size=8, max_model_len=128)
 
     plain, no_plan = one_at_a_time(engine(), False)
     fused, plan = one_at_a_time(engine(), True)
     assert no_plan is None and plan is not None and plan[1] is not None  # it ran
+    assert plan[1].dtype == getattr(torch, dtype)
     assert fused == plain  # token ids and logprob floats, exactly
 
 
-def test_fused_step_writes_the_same_kv(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_writes_the_same_kv(dtype, tmp_path):
     path = make_tiny_model_dir(tmp_path, arch="llama", seed=12)
     caches = []
     for single in (False, True):
-        llm = LLM(str(path), dtype="float32", num_kv_blocks=32, block_size=8, max_model_len=128,
+        llm = LLM(str(path), dtype=dtype, num_kv_blocks=32, block_size=8, max_model_len=128,
                   enable_prefix_caching=False)
         one_at_a_time(llm, single, max_tokens=20)
         caches.append([torch.stack(kv) for kv in llm.llm_engine.runner.kv_caches])
@@ -56,18 +60,19 @@ def test_fused_step_writes_the_same_kv(tmp_path):
         assert torch.equal(a, b)
 
 
-def test_bf16_keeps_the_layer_by_layer_path(tmp_path):
+def test_float16_keeps_the_layer_by_layer_path(tmp_path):
     path = make_tiny_model_dir(tmp_path, arch="llama", seed=13)
-    llm = LLM(str(path), dtype="bfloat16", num_kv_blocks=32, block_size=8, max_model_len=128)
+    llm = LLM(str(path), dtype="float16", num_kv_blocks=32, block_size=8, max_model_len=128)
     _, plan = one_at_a_time(llm, True, max_tokens=3)
     assert plan is not None and plan[1] is None
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_fused_step_is_bit_equal_on_gguf_weights():
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_step_is_bit_equal_on_gguf_weights(dtype):
     def engine():
-        return LLM(None, dtype="float32", quantization="gguf", num_kv_blocks=128,
+        return LLM(None, dtype=dtype, quantization="gguf", num_kv_blocks=128,
                    max_model_len=512)
 
     plain, _ = one_at_a_time(engine(), False)

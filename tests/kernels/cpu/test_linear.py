@@ -1,11 +1,14 @@
-"""The native matmuls (kernels/cpu/linear_f32.c, linear_quant.c) against torch, and the
-GGUF block layout against the gguf package's own quantize/dequantize."""
+"""The native matmuls (kernels/cpu/linear_f32.c, linear_bf16.c, linear_quant.c) against
+torch, and the GGUF block layout against the gguf package's own quantize/dequantize."""
 import shutil
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from kernels import dispatch
+from kernels.cpu import features as cpu_features
 from kernels.cpu import linear as cpu_linear
 from kernels import torch_ops
 from kernels.cpu.gguf_weight import FORMATS, GgufWeight
@@ -82,7 +85,7 @@ def test_dense_row_kernel_matches_torch(rows, in_features, out_features):
                                rtol=1e-5, atol=1e-4)
     assert dispatch.dense_linear_rows(x, weight, None) is not None
     # other dtypes and larger batches are left to oneDNN / torch
-    assert dispatch.dense_linear_rows(x.bfloat16(), weight.bfloat16(), None) is None
+    assert dispatch.dense_linear_rows(x.half(), weight.half(), None) is None
     assert dispatch.dense_linear_rows(torch.randn(dispatch.DENSE_ROWS_MAX + 1, in_features),
                                       weight, None) is None
 
@@ -95,3 +98,51 @@ def test_long_chunks_take_the_dense_gemm_on_the_dequantized_table():
     torch.testing.assert_close(dispatch.gguf_linear(x, weight, bias), x @ dense.T + bias,
                                rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(cpu_linear.dequantize_rows(weight, None), dense, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3])
+@pytest.mark.parametrize("in_features", [8, 31, 577, 2048])
+@pytest.mark.parametrize("out_features", [1, 3, 4, 130])
+def test_bf16_row_kernel_matches_float32_math_on_bf16_values(rows, in_features, out_features):
+    """float32 sums of exact bf16 products, one rounding at the end: within one bf16 ulp
+    of the float32 result (the sums' order differs), whichever inner loop this build has."""
+    g = torch.Generator().manual_seed(7 * rows + in_features + out_features)
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    weight = torch.randn(out_features, in_features, generator=g).bfloat16()
+    bias = torch.randn(out_features, generator=g).bfloat16()
+    got = cpu_linear.linear_bf16_rows(x, weight, bias)
+    assert got is not None and got.dtype == torch.bfloat16
+    exact = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(got.double(), exact, rtol=2 ** -7, atol=1e-3 * in_features ** 0.5)
+    no_bias = cpu_linear.linear_bf16_rows(x, weight, None)
+    torch.testing.assert_close(no_bias.double(), x.double() @ weight.double().T,
+                               rtol=2 ** -7, atol=1e-3 * in_features ** 0.5)
+    # float32 inputs and a float32 bias are refused, not misread
+    assert cpu_linear.linear_bf16_rows(x.float(), weight, None) is None
+    assert cpu_linear.linear_bf16_rows(x, weight, bias.float()) is None
+
+
+def test_bf16_row_kernel_runs_vdpbf16ps_exactly_where_the_cpu_has_it():
+    """The build follows the CPU (or TLE_CPU_ISA's cap): AVX-512 BF16 hosts run the
+    vdpbf16ps loop, every other the widen-and-FMA one; the correctness test above then
+    covers whichever this host built (the capped pass covers the other on BF16 hosts)."""
+    if cpu_linear.bf16_rows_use_dpbf16() is None:
+        pytest.skip("no native library")
+    assert cpu_linear.bf16_rows_use_dpbf16() == ("avx512_bf16" in cpu_features.detect().flags)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("objdump") is None,
+                    reason="needs gcc and objdump")
+@pytest.mark.parametrize("march, dpbf16", [(["-march=x86-64"], False),
+                                           (["-march=x86-64-v3"], False),
+                                           (["-march=x86-64-v4", "-mavx512bf16"], True)])
+def test_every_bf16_row_loop_builds_on_any_host(tmp_path, march, dpbf16):
+    """Each ISA's loop compiles here even where this CPU cannot run it, and the AVX-512
+    BF16 build really holds vdpbf16ps."""
+    source = Path(cpu_linear.__file__).with_name("linear_bf16.c")
+    obj = tmp_path / "linear_bf16.o"
+    subprocess.run(["gcc", "-O3", "-ffast-math", "-fopenmp", "-c", *march, str(source), "-o",
+                    str(obj)], check=True, capture_output=True)
+    disassembly = subprocess.run(["objdump", "-d", str(obj)], check=True, capture_output=True,
+                                 text=True).stdout
+    assert ("vdpbf16ps" in disassembly) == dpbf16
