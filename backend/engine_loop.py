@@ -45,6 +45,7 @@ class EngineLoop:
         # two steps cannot overshoot).
         self._num_queued = 0
         self._num_rejected = 0  # refused as "server busy" since the last metrics record
+        self._num_cancelled = 0  # engine thread only: cancelled since the last record
         self._death: str | None = None
         self._stopping = False
         self._drain_deadline = 0.0
@@ -164,6 +165,7 @@ class EngineLoop:
             with self._cond:
                 self._num_queued = len(self._inbox) + stats.num_waiting
                 step.num_rejected, self._num_rejected = self._num_rejected, 0
+            step.num_cancelled, self._num_cancelled = self._num_cancelled, 0
             if self._collect_metrics:
                 step.stats = stats
                 self._worker.record(step)
@@ -220,6 +222,7 @@ class EngineLoop:
         if not cancelled:
             return
         self.engine.abort_request(cancelled)
+        self._num_cancelled += len(cancelled)  # vLLM's request_success{finished_reason=abort}
         for request_id in cancelled:
             request = self._retire(request_id)
             self._worker.send_error(request.sender, "Request was cancelled", triton_io.CANCELLED,
@@ -249,6 +252,10 @@ class EngineLoop:
             self._fail(failed, f"engine step failed: {exc}", triton_io.INTERNAL)
             return
         now = time.monotonic()
+        # A stand-in engine may not count its steps' tokens.
+        num_tokens = getattr(self.engine, "last_step_num_tokens", 0)
+        if num_tokens:
+            step.iteration_tokens.append(num_tokens)
         for out in outputs:
             request = self._active.get(out.request_id)
             if request is None:

@@ -44,7 +44,7 @@ class EngineModel:
 
         started = time.monotonic()
         metrics = (TritonMetrics(self.model_name, args["model_version"],
-                                 args.get("model_instance_name", ""))
+                                 engine_config.data_parallel_rank)
                    if self.options.report_custom_metrics else NullMetrics())
         self._worker = ResponseWorker(metrics)
         try:
@@ -60,7 +60,9 @@ class EngineModel:
         self.tokenizer = self.engine.tokenizer
         cache = self.engine.config.cache
         # Through the sender thread, which owns every call into Triton once it runs.
-        self._worker.call(lambda: metrics.report_cache_config(cache.block_size, cache.num_kv_blocks))
+        max_model_len = self.engine.config.scheduler.max_model_len
+        self._worker.call(lambda: metrics.engine_ready(cache.block_size, cache.num_kv_blocks,
+                                                       max_model_len))
         self._ids = itertools.count()
         triton_io.log_info(f"{self.model_name}: engine ready in {time.monotonic() - started:.1f} s "
                            f"({engine_config.model or 'embedded SmolLM2-135M-Instruct'})")

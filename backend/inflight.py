@@ -1,12 +1,13 @@
-"""One request on its way through the engine loop, and the latency figures it yields."""
+"""One request on its way through the engine loop, and the figures it yields for vLLM's
+request metrics."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from backend.metrics import StepMetrics
+from backend.metrics import FinishedRequest, StepMetrics
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -23,22 +24,59 @@ class Inflight:
     arrival: float
     priority: int = 0  # lower is served first under policy=priority
     ttft_recorded: bool = False
+    # Tokens generated so far, per sequence (each output's deltas: every output kind
+    # carries them, and the engine never sends a token twice).
+    num_generated: list[int] = field(default_factory=list)
 
 
 def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, now: float) -> None:
-    """Adds this output's TTFT / inter-token / queue / end-to-end figures to the step's
-    metrics. Token times are the engine's (RequestMetrics, stamped at every step that
-    sampled for the request), so a FINAL_ONLY request or one streamed with
-    stream_interval > 1 reports the same figures as a per-token stream; a stand-in
-    engine that does not stamp them yields end-to-end figures only."""
+    """Adds this output's figures to the step's metrics. Token times are the engine's
+    (RequestMetrics, stamped at every step that sampled for the request), so a FINAL_ONLY
+    request or one streamed with stream_interval > 1 reports the same figures as a
+    per-token stream; a stand-in engine that does not stamp them yields end-to-end and
+    token-count figures only."""
+    counts = request.num_generated
+    for completion in out.outputs:
+        while len(counts) <= completion.index:
+            counts.append(0)
+        counts[completion.index] += len(completion.delta_token_ids)
     metrics = out.metrics
     if metrics is not None:
         if not request.ttft_recorded and metrics.first_token_time is not None:
             request.ttft_recorded = True
             # Both on time.monotonic(): the engine got Triton's arrival in add_request.
             step.ttft.append(max(0.0, metrics.first_token_time - request.arrival))
-            if metrics.time_in_queue is not None:
-                step.queue.append(metrics.time_in_queue)
+            cached = max(out.num_cached_tokens, 0)
+            step.prompt_cached += cached
+            step.prompt_computed += max(0, len(out.prompt_token_ids) - cached)
         step.itl.extend(metrics.inter_token_latencies)
     if out.finished:
-        step.e2e.append(now - request.arrival)
+        _record_finished(request, out, step, now)
+
+
+def _record_finished(request: Inflight, out: RequestOutput, step: StepMetrics, now: float) -> None:
+    """One FinishedRequest per sequence (vLLM finishes each of n's children on its own);
+    the n and max-generation figures once per request, as vLLM's parent request does."""
+    metrics = out.metrics
+    e2e = now - request.arrival
+    queued = prefill = decode = inference = 0.0
+    if metrics is not None and metrics.first_scheduled_time is not None:
+        scheduled = metrics.first_scheduled_time
+        queued = max(0.0, scheduled - request.arrival)
+        if metrics.first_token_time is not None:
+            last = metrics.last_token_time or metrics.first_token_time
+            prefill = max(0.0, metrics.first_token_time - scheduled)
+            decode = max(0.0, last - metrics.first_token_time)
+            inference = max(0.0, last - scheduled)
+    counts = request.num_generated
+    for completion in out.outputs:
+        step.finished.append(FinishedRequest(
+            finish_reason=completion.finish_reason or "abort",
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_generation_tokens=counts[completion.index],
+            num_cached_tokens=out.num_cached_tokens,
+            num_preemptions=metrics.num_preemptions if metrics is not None else 0,
+            e2e=e2e, queued=queued, prefill=prefill, decode=decode, inference=inference,
+            max_tokens_param=request.params.max_tokens))
+    step.n_params.append(request.params.n)
+    step.max_generation_tokens.append(max(counts, default=0))

@@ -1,54 +1,56 @@
-"""vLLM-named metrics on Triton's metrics port via pb_utils.MetricFamily.
+"""vLLM's metrics (backend/metric_families.py) on Triton's metrics port, through
+pb_utils.MetricFamily.
 
-Each metric update is an IPC round trip to the server process, so the engine loop
-never calls these directly: it collects one StepMetrics per step and the response
-worker thread records it."""
+Each metric update is an IPC round trip to the server process, so the engine loop never
+calls these directly: it collects one StepMetrics per step and the response worker
+thread records it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-# Bucket edges as vLLM uses them, so dashboards built for vLLM read the same.
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5,
-               5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
-REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
-                   50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+from backend.metric_families import (BY_NAME, CACHE_CONFIG_INFO, COUNTER, FAMILIES, GAUGE,
+                                     REQUEST_TOKENS, Family, token_buckets)
 
-_GAUGES = {
-    "vllm:num_requests_running": ("Number of requests in model execution batches.", "num_running"),
-    "vllm:num_requests_waiting": ("Number of requests waiting to be processed.", "num_waiting"),
-    "vllm:kv_cache_usage_perc": ("KV-cache usage. 1 means 100 percent usage.", "kv_cache_usage"),
-}
-# Cumulative engine counters, mirrored by adding the increase since the last step.
+# The engine's cumulative counters (EngineStats fields), mirrored by adding the increase
+# since the previous step. vLLM counts the device prefix-cache hits by source too.
+# Each target: (family, the value of its extra label or None).
 _STAT_COUNTERS = {
-    "vllm:prefix_cache_queries": ("Prefix cache queries, in terms of number of queried tokens.",
-                                  "prefix_cache_queries"),
-    "vllm:prefix_cache_hits": ("Prefix cache hits, in terms of number of cached tokens.",
-                               "prefix_cache_hits"),
-    "vllm:num_preemptions_total": ("Cumulative number of preemptions from the engine.",
-                                   "num_preemptions_total"),
-    "vllm:prompt_tokens_total": ("Number of prefill tokens processed.", "prompt_tokens_total"),
-    "vllm:generation_tokens_total": ("Number of generation tokens processed.",
-                                     "generation_tokens_total"),
+    "prefix_cache_queries": (("vllm:prefix_cache_queries_total", None),),
+    "prefix_cache_hits": (("vllm:prefix_cache_hits_total", None),
+                          ("vllm:prompt_tokens_cached_by_source_total", "device")),
+    "num_preemptions_total": (("vllm:num_preemptions_total", None),),
+    "prompt_tokens_total": (("vllm:prompt_tokens_total", None),),
+    "generation_tokens_total": (("vllm:generation_tokens_total", None),),
 }
-# vLLM's info gauge: value 1, the KV cache's shape in its labels. Routers (the Gateway API
-# inference extension's endpoint picker, llm-d) size a server's KV capacity from it.
-CACHE_CONFIG_INFO = ("vllm:cache_config_info", "Information of the LLMEngine CacheConfig")
-# Not a vLLM metric (vLLM queues without bound), hence the project's own prefix.
-REJECTED_COUNTER = ("tle:num_requests_rejected_total",
-                    "Requests refused with UNAVAILABLE because MAX_QUEUE_LEN requests were queued.")
-_HISTOGRAMS = {
-    "vllm:time_to_first_token_seconds": ("Histogram of time to first token in seconds.",
-                                         "ttft", TTFT_BUCKETS),
-    "vllm:inter_token_latency_seconds": ("Histogram of inter-token latency in seconds.",
-                                         "itl", ITL_BUCKETS),
-    "vllm:e2e_request_latency_seconds": ("Histogram of end to end request latency in seconds.",
-                                         "e2e", REQUEST_BUCKETS),
-    "vllm:request_queue_time_seconds": ("Histogram of time spent in WAITING phase for request.",
-                                        "queue", REQUEST_BUCKETS),
+_STAT_GAUGES = {
+    "num_running": (("vllm:num_requests_running", None),),
+    "num_waiting": (("vllm:num_requests_waiting", None),
+                    ("vllm:num_requests_waiting_by_reason", "capacity")),
+    "kv_cache_usage": (("vllm:kv_cache_usage_perc", None),),
 }
+
+
+@dataclass(slots=True)
+class FinishedRequest:
+    """One finished sequence, in vLLM's terms (vllm/v1/metrics/stats.py FinishedRequestStats):
+    queued = arrival..first scheduled, prefill = first scheduled..first token,
+    decode = first..last token, inference = first scheduled..last token."""
+    finish_reason: str
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    e2e: float = 0.0
+    queued: float = 0.0
+    prefill: float = 0.0
+    decode: float = 0.0
+    inference: float = 0.0
+    max_tokens_param: int | None = None
+
+    @property
+    def mean_time_per_output_token(self) -> float:
+        return self.decode / (self.num_generation_tokens - 1) if self.num_generation_tokens > 1 else 0.0
 
 
 @dataclass(slots=True)
@@ -57,12 +59,22 @@ class StepMetrics:
     stats: Any = None
     ttft: list[float] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
-    e2e: list[float] = field(default_factory=list)
-    queue: list[float] = field(default_factory=list)
+    # Tokens the step computed: prompt tokens plus sampled ones (vLLM's iteration tokens).
+    iteration_tokens: list[int] = field(default_factory=list)
+    finished: list[FinishedRequest] = field(default_factory=list)
+    # Per request (the parent when n > 1), once all of its sequences finished.
+    n_params: list[int] = field(default_factory=list)
+    max_generation_tokens: list[int] = field(default_factory=list)
+    # Prompt tokens of the requests that got their first token, by where their KV came from.
+    prompt_computed: int = 0
+    prompt_cached: int = 0
     num_rejected: int = 0  # refused as "server busy" since the previous record
+    num_cancelled: int = 0  # cancelled by their client since the previous record
 
     def empty(self) -> bool:
-        return not (self.stats or self.ttft or self.itl or self.e2e or self.queue or self.num_rejected)
+        return not (self.stats or self.ttft or self.itl or self.iteration_tokens or self.finished
+                    or self.n_params or self.prompt_computed or self.prompt_cached
+                    or self.num_rejected or self.num_cancelled)
 
 
 class NullMetrics:
@@ -71,61 +83,126 @@ class NullMetrics:
     def record(self, step: StepMetrics) -> None:
         pass
 
-    def report_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
+    def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int) -> None:
         pass
 
 
 class TritonMetrics:
-    def __init__(self, model_name: str, model_version: str, instance_name: str = "") -> None:
+    def __init__(self, model_name: str, model_version: str, engine: int = 0) -> None:
         import triton_python_backend_utils as pb_utils
 
-        self._kinds = kinds = pb_utils.MetricFamily
-        # vllm_backend's labels, plus the instance: with instance_group count > 1 each
-        # instance's engine reports its own series (sum by model for the whole model).
-        self._labels = {"model": model_name, "version": str(model_version),
-                        "instance": instance_name}
+        self._kinds = pb_utils.MetricFamily
+        # vLLM's labels (engine: the data-parallel rank, here the instance's index, so
+        # instance_group count > 1 gives a series per engine) and vllm_backend's.
+        self._labels = {"model_name": model_name, "engine": str(engine),
+                        "model": model_name, "version": str(model_version)}
         # Triton invalidates a Metric once its MetricFamily is garbage collected, so the
         # families live as long as this object.
         self._families: list = []
-        metric = self._metric
-        self._gauges = {attr: metric(name, desc, kinds.GAUGE) for name, (desc, attr) in _GAUGES.items()}
-        self._stat_counters = {attr: metric(name, desc, kinds.COUNTER)
-                               for name, (desc, attr) in _STAT_COUNTERS.items()}
-        self._histograms = {attr: metric(name, desc, kinds.HISTOGRAM, buckets=buckets)
-                            for name, (desc, attr, buckets) in _HISTOGRAMS.items()}
-        self._rejected = metric(*REJECTED_COUNTER, kinds.COUNTER)
-        self._cache_info: Any = None
+        # name -> the series, or {label value: series} for a family with an extra label.
+        self._series: dict[str, Any] = {}
+        for family in FAMILIES:
+            if family.buckets != REQUEST_TOKENS:
+                self._add(family)
+        for state, series in self._series["vllm:engine_sleep_state"].items():
+            series.set(1 if state == "awake" else 0)
         self._last_gauge: dict[str, float] = {}
-        self._last_counter: dict[str, float] = {attr: 0 for attr in self._stat_counters}
+        self._last_counter: dict[str, float] = {attr: 0 for attr in _STAT_COUNTERS}
 
-    def _metric(self, name: str, desc: str, kind: Any, extra_labels: dict[str, str] | None = None,
-                **kwargs: Any) -> Any:
-        family = self._kinds(name=name, description=desc, kind=kind)
-        self._families.append(family)
-        return family.Metric(labels={**self._labels, **(extra_labels or {})}, **kwargs)
+    def _add(self, family: Family, buckets: list[float] | None = None,
+             labels: dict[str, str] | None = None) -> Any:
+        kind = {GAUGE: self._kinds.GAUGE, COUNTER: self._kinds.COUNTER}.get(
+            family.kind, self._kinds.HISTOGRAM)
+        handle = self._kinds(name=family.name, description=family.description, kind=kind)
+        self._families.append(handle)
+        labels = self._labels if labels is None else labels
+        kwargs = {}
+        if family.kind not in (GAUGE, COUNTER):
+            kwargs["buckets"] = list(buckets if buckets is not None else family.buckets)
+        if family.label:
+            series = {value: handle.Metric(labels={**labels, family.label: value}, **kwargs)
+                      for value in family.values}
+        else:
+            series = handle.Metric(labels=labels, **kwargs)
+        self._series[family.name] = series
+        return series
 
-    def report_cache_config(self, block_size: int, num_gpu_blocks: int) -> None:
-        """Once, when the engine is built: its pool's size is known only then. vLLM names
-        the pool's block count num_gpu_blocks whatever the device, so the label does too."""
-        self._cache_info = self._metric(
-            *CACHE_CONFIG_INFO, self._kinds.GAUGE,
-            extra_labels={"block_size": str(block_size), "num_gpu_blocks": str(num_gpu_blocks)})
-        self._cache_info.set(1)
+    def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int) -> None:
+        """Once, when the engine is built: the pool's size and the context length (the
+        token histograms' edges) are known only then. vLLM names the pool's block count
+        num_gpu_blocks whatever the device, so the label does too."""
+        edges = token_buckets(max_model_len)
+        for family in FAMILIES:
+            if family.buckets == REQUEST_TOKENS:
+                self._add(family, buckets=edges)
+        # vLLM's info gauge is labelled with CacheConfig's fields and the engine only.
+        labels = {key: value for key, value in self._labels.items() if key != "model_name"}
+        info = self._add(CACHE_CONFIG_INFO, labels={**labels, "block_size": str(block_size),
+                                                    "num_gpu_blocks": str(num_gpu_blocks)})
+        info.set(1)
+
+    def _one(self, name: str, value: str | None = None) -> Any:
+        series = self._series[name]
+        return series if value is None else series[value]
 
     def record(self, step: StepMetrics) -> None:
         if step.stats is not None:
-            for attr, metric in self._gauges.items():
-                value = float(getattr(step.stats, attr))
-                if self._last_gauge.get(attr) != value:
-                    metric.set(value)
-                    self._last_gauge[attr] = value
-            for attr, metric in self._stat_counters.items():
-                value = float(getattr(step.stats, attr))
-                if value > self._last_counter[attr]:
-                    metric.increment(value - self._last_counter[attr])
-                    self._last_counter[attr] = value
-        for attr, metric in self._histograms.items():
-            for value in getattr(step, attr):
-                metric.observe(value)
-        if step.num_rejected:
-            self._rejected.increment(step.num_rejected)
+            self._record_stats(step.stats)
+        observe = self._observe
+        observe("vllm:time_to_first_token_seconds", step.ttft)
+        observe("vllm:inter_token_latency_seconds", step.itl)
+        observe("vllm:time_per_output_token_seconds", step.itl)  # vllm_backend's name for it
+        observe("vllm:iteration_tokens_total", step.iteration_tokens)
+        observe("vllm:request_params_n", step.n_params)
+        observe("vllm:request_max_num_generation_tokens", step.max_generation_tokens)
+        for request in step.finished:
+            self._record_finished(request)
+        self._increment("vllm:prompt_tokens_by_source_total", step.prompt_computed, "local_compute")
+        self._increment("vllm:prompt_tokens_by_source_total", step.prompt_cached, "local_cache_hit")
+        self._increment("vllm:prompt_tokens_cached_total", step.prompt_cached)
+        self._increment("vllm:admission_rejections_total", step.num_rejected, "max_num_queued_reqs")
+        self._increment("vllm:request_success_total", step.num_cancelled, "abort")
+
+    def _record_stats(self, stats: Any) -> None:
+        for attr, targets in _STAT_GAUGES.items():
+            value = float(getattr(stats, attr))
+            if self._last_gauge.get(attr) != value:
+                for name, label_value in targets:
+                    self._one(name, label_value).set(value)
+                self._last_gauge[attr] = value
+        for attr, targets in _STAT_COUNTERS.items():
+            value = float(getattr(stats, attr))
+            if value > self._last_counter[attr]:
+                for name, label_value in targets:
+                    self._one(name, label_value).increment(value - self._last_counter[attr])
+                self._last_counter[attr] = value
+
+    def _record_finished(self, request: FinishedRequest) -> None:
+        observe = self._observe
+        reason = request.finish_reason
+        if reason not in BY_NAME["vllm:request_success_total"].values:
+            reason = "error"  # an unknown finish reason still counts, as a failure
+        self._increment("vllm:request_success_total", 1, reason)
+        observe("vllm:e2e_request_latency_seconds", [request.e2e])
+        observe("vllm:request_queue_time_seconds", [request.queued])
+        observe("vllm:request_prefill_time_seconds", [request.prefill])
+        observe("vllm:request_inference_time_seconds", [request.inference])
+        observe("vllm:request_decode_time_seconds", [request.decode])
+        observe("vllm:request_num_preemptions", [request.num_preemptions])
+        observe("vllm:request_prefill_kv_computed_tokens",
+                [request.num_prompt_tokens - max(request.num_cached_tokens, 0)])
+        observe("vllm:request_prompt_tokens", [request.num_prompt_tokens])
+        observe("vllm:request_generation_tokens", [request.num_generation_tokens])
+        observe("vllm:request_time_per_output_token_seconds", [request.mean_time_per_output_token])
+        if request.max_tokens_param:
+            observe("vllm:request_params_max_tokens", [request.max_tokens_param])
+
+    def _observe(self, name: str, values: list[float] | list[int]) -> None:
+        if values:
+            series = self._one(name)
+            for value in values:
+                series.observe(float(value))
+
+    def _increment(self, name: str, amount: float, value: str | None = None) -> None:
+        if amount > 0:
+            self._one(name, value).increment(float(amount))

@@ -1,7 +1,7 @@
 """Overload: bursts of 10 x MAX_QUEUE_LEN requests at once on the copy with a small queue.
 
 The excess must be refused ('server busy', UNAVAILABLE) without waiting for the queue,
-counted in tle:num_requests_rejected_total, the rest served unchanged, and the server's
+counted in vllm:admission_rejections_total, the rest served unchanged, and the server's
 memory must not grow from one burst to the next. Unmeasured warm-up bursts settle what is
 allocated once: gRPC buffers, Python arenas, and oneDNN's compiled matmuls, one per
 weight shape and row-count bucket (kernels/cpu/onednn.padded_rows), which a server

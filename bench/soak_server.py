@@ -22,7 +22,7 @@ TINY_ARGS = {"dtype": "float32", "block_size": "16", "num_kv_blocks": "512", "ma
 DEFAULT_ARGS = {"dtype": "auto", "block_size": "16", "num_kv_blocks": "512", "max_num_seqs": "64",
                 "max_model_len": "1024", "max_num_batched_tokens": "1024"}
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")
-REJECTED = "tle:num_requests_rejected_total"
+REJECTED = "vllm:admission_rejections_total"
 
 
 @dataclass(slots=True)
@@ -108,7 +108,8 @@ class SoakServer:
             return response.read().decode()
 
     def _value(self, text: str, name: str, model: str) -> float:
-        # One series per model instance (its `instance` label); the model's is their sum.
+        # One series per model instance (its `engine` label), and per label value of a
+        # labelled family; the model's value is their sum.
         pattern = re.escape(name) + r'\{[^}]*\bmodel="' + re.escape(model) + r'"[^}]*\} (\S+)$'
         found = re.findall(pattern, text, re.MULTILINE)
         if not found:

@@ -67,6 +67,10 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.config.scheduler.stream_interval)
         self._parallel = self.output_processor.parallel
         self.prompt_tokens_total = 0
+        # What the latest step computed, vLLM's iteration tokens: the prompt tokens it
+        # scheduled plus the tokens it sampled (a decode's scheduled token is its sampled
+        # one, a prefill's last chunk samples one more).
+        self.last_step_num_tokens = 0
 
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
@@ -148,6 +152,7 @@ class LLMEngine:
         trace = self.trace
         trace.step_started(self.scheduler.num_preemptions_total)
         sched_out = self.scheduler.schedule()
+        self.last_step_num_tokens = 0
         if not sched_out.scheduled_requests:
             if sched_out.finished_req_ids:
                 self.runner.execute(sched_out)  # only frees the runner's state for them
@@ -162,6 +167,8 @@ class LLMEngine:
             raise self._fail_step(sched_out, exc) from exc
         trace.step_scheduled(sched_out)
         updated = self.scheduler.update_from_output(sched_out, result.sampled_token_ids)
+        self.last_step_num_tokens = sched_out.total_num_scheduled_tokens + sum(
+            1 for request in updated if request.num_output_tokens == 1)
         trace.requests_updated(updated)
         outputs = self.output_processor.process(updated, result.logprobs)
         trace.step_ended(self.scheduler.num_preemptions_total)  # its time includes the outputs

@@ -55,6 +55,10 @@ class RequestMetrics:
     # token, and the gaps between such steps since the request's previous output.
     first_token_time: float | None = None
     inter_token_latencies: list[float] = field(default_factory=list)
+    # The latest step that sampled for it: at the final output, the end of its decode
+    # phase (vLLM's last_token_ts).
+    last_token_time: float | None = None
+    num_preemptions: int = 0
 
     @property
     def time_in_queue(self) -> float | None:

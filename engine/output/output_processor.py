@@ -60,7 +60,8 @@ class _Client:
         if metrics is None:
             return None
         return dataclasses.replace(metrics, first_token_time=self.first_token_time,
-                                   inter_token_latencies=gaps)
+                                   inter_token_latencies=gaps,
+                                   last_token_time=self.last_token_time)
 
 
 @dataclass(slots=True)
@@ -161,7 +162,8 @@ class OutputProcessor:
                              [completion], finished,
                              num_cached_tokens=max(request.num_cached_tokens, 0),
                              metrics=RequestMetrics(request.arrival_time,
-                                                    request.first_scheduled_time))
+                                                    request.first_scheduled_time,
+                                                    num_preemptions=request.num_preemptions))
 
     def _due(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Those of `outputs` to hand out now, with what was held before them; the rest

@@ -26,6 +26,7 @@ kubernetes_validate = pytest.importorskip("kubernetes_validate",
                                           reason=f"kubernetes-validate {_TEST_EXTRA}")
 
 from backend import metrics as engine_metrics  # noqa: E402
+from backend import metric_families  # noqa: E402
 from backend.model_json import parse_model_json  # noqa: E402
 from backend.triton_server import ServerPorts, TritonServer  # noqa: E402
 from engine.config import CacheConfig, EngineConfig  # noqa: E402
@@ -406,7 +407,8 @@ def test_picker_reads_metrics_the_engine_exports():
     extractor = plugin(EPP_CONFIG, "core-metrics-extractor")
     engine_type = POD["metadata"]["labels"][extractor["engineLabelKey"]]
     (config,) = [e for e in extractor["engineConfigs"] if e["name"] == engine_type]
-    exported = set(engine_metrics._GAUGES) | {engine_metrics.CACHE_CONFIG_INFO[0]}
+    exported = ({f.name for f in metric_families.FAMILIES if f.kind == metric_families.GAUGE}
+                | {metric_families.CACHE_CONFIG_INFO.name})
     expected = {"queuedRequestsSpec": "vllm:num_requests_waiting",
                 "runningRequestsSpec": "vllm:num_requests_running",
                 "kvUsageSpec": "vllm:kv_cache_usage_perc",
@@ -444,13 +446,13 @@ def exported_cache_info_labels() -> dict[str, str]:
     saved = sys.modules.get(stub.__name__)
     sys.modules[stub.__name__] = stub
     try:
-        engine_metrics.TritonMetrics(SERVED_MODEL, "1").report_cache_config(16, 1000)
+        engine_metrics.TritonMetrics(SERVED_MODEL, "1").engine_ready(16, 1000, 1024)
     finally:
         if saved is None:
             del sys.modules[stub.__name__]
         else:
             sys.modules[stub.__name__] = saved
-    return families[engine_metrics.CACHE_CONFIG_INFO[0]]
+    return families[metric_families.CACHE_CONFIG_INFO.name]
 
 
 def test_picker_scrapes_triton_metrics_port_not_the_target_port():

@@ -88,6 +88,6 @@ def test_token_counters_match_what_was_sent(server):
         assert metric(after, name, "llm") - metric(before, name, "llm") == len(PROMPTS), name
     assert metric(after, "vllm:inter_token_latency_seconds_count", "llm") > metric(
         before, "vllm:inter_token_latency_seconds_count", "llm")
-    for name in ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:num_preemptions_total",
+    for name in ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
                  "vllm:num_requests_waiting"):
         metric(after, name, "llm")  # exported

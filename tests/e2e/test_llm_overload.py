@@ -50,9 +50,8 @@ def explicit_server(tmp_path_factory, tiny_model_dir):
 
 
 def rejected_total(server: TritonServer, model: str) -> float:
-    """tle:num_requests_rejected_total (scrape_metrics keeps only the vllm: family)."""
-    return metric(scrape_metrics(server.metrics_url, "tle:"), "tle:num_requests_rejected_total",
-                  model)
+    """vLLM's admission-rejection counter (our MAX_QUEUE_LEN is its max_num_queued_reqs)."""
+    return metric(scrape_metrics(server.metrics_url), "vllm:admission_rejections_total", model)
 
 
 def forced(prompt: str, stream: bool = False) -> dict:

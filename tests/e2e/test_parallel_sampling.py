@@ -39,12 +39,12 @@ def test_seeded_n3_gives_three_reproducible_outputs_and_prefills_once(server, re
     num_prompt = entries(response, "num_input_tokens")[0]
     full_blocks = (num_prompt - 1) // BLOCK_SIZE * BLOCK_SIZE
     assert full_blocks >= 3 * BLOCK_SIZE
-    queries = wait_metric(server, "vllm:prefix_cache_queries", "llm",
-                          lambda v: v >= metric(before, "vllm:prefix_cache_queries", "llm") + 3 * num_prompt)
-    hits = metric(scrape_metrics(server.metrics), "vllm:prefix_cache_hits", "llm")
-    assert queries - metric(before, "vllm:prefix_cache_queries", "llm") == 3 * num_prompt
+    queries = wait_metric(server, "vllm:prefix_cache_queries_total", "llm",
+                          lambda v: v >= metric(before, "vllm:prefix_cache_queries_total", "llm") + 3 * num_prompt)
+    hits = metric(scrape_metrics(server.metrics), "vllm:prefix_cache_hits_total", "llm")
+    assert queries - metric(before, "vllm:prefix_cache_queries_total", "llm") == 3 * num_prompt
     # Child 0 computed the prompt; its two siblings hit all of its full blocks.
-    assert hits - metric(before, "vllm:prefix_cache_hits", "llm") == 2 * full_blocks
+    assert hits - metric(before, "vllm:prefix_cache_hits_total", "llm") == 2 * full_blocks
 
     again = infer_one(server.grpc, "llm", llm_inputs(PROMPT, SEEDED, exclude_input_in_output=True))
     assert entries(again.responses[0]) == texts

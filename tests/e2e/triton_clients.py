@@ -199,12 +199,14 @@ def series_labels(key: str) -> tuple[str, dict[str, str]]:
 
 
 def metric_by_instance(values: dict[str, float], name: str, model: str) -> dict[str, float]:
-    """One value per model instance (the `instance` label) of a model's series."""
+    """One value per model instance (the `engine` label, vLLM's data-parallel rank) of a
+    model's series, summed over any other label."""
     out = {}
     for key, value in values.items():
         series, labels = series_labels(key)
         if series == name and labels.get("model") == model and labels.get("version") == "1":
-            out[labels.get("instance", "")] = value
+            engine = labels.get("engine", "")
+            out[engine] = out.get(engine, 0.0) + value
     return out
 
 
