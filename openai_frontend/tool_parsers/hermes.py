@@ -27,7 +27,7 @@ class HermesParser:
                     continue
                 call = json.loads(block)
                 calls.append(ToolCall(_name(call), arguments_json(call["arguments"])))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return plain(text)
         if not calls:
             return plain(text)

@@ -125,3 +125,30 @@ def ready_calls(text: str, spans: list[CallSpan], stop: int | None = None) -> li
         end = span.args_end if span.args_end is not None else stop
         calls.append(ToolCall(span.name, text[span.args_start:end]))
     return calls
+
+
+def json_container_end(text: str, start: int, stop: int | None = None) -> int | None:
+    """Just past the JSON object or array that begins at text[start] (after whitespace);
+    None while it is still open (or when no object or array begins there)."""
+    stop = len(text) if stop is None else stop
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, stop):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+        elif depth == 0 and not ch.isspace():
+            return None
+    return None

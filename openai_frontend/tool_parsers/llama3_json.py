@@ -26,7 +26,7 @@ class Llama3JsonParser:
                 arguments = call["arguments"] if "arguments" in call else call["parameters"]
                 calls.append(ToolCall(call["name"], arguments_json(arguments)))
                 position = text.find("{", end)
-        except (ValueError, KeyError):
+        except (ValueError, KeyError, RecursionError):
             return plain(text)
         return Extracted(calls, None) if calls else plain(text)
 

@@ -1,14 +1,18 @@
-"""mistral (Mistral 7B v0.3, Mistral NeMo, ...): `[TOOL_CALLS]` then a JSON array of
-`{"name": ..., "arguments": {...}}`; the text before the marker is content."""
+"""mistral: `[TOOL_CALLS]` marks the calls; the text before the first marker is content.
+Two forms, as Mistral's tokenizers write them: `[TOOL_CALLS]name[ARGS]{...}` once per call
+(tokenizer v11 and later; what vLLM 0.32 reads with a Hugging Face tokenizer), and the
+older `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral 7B v0.3, NeMo)."""
 from __future__ import annotations
 
 import json
 
 from openai_frontend.tool_parsers.base import (Extracted, Scan, ToolCall, arguments_json,
                                                held_back, plain)
-from openai_frontend.tool_parsers.json_calls import ready_calls, scan_call_objects
+from openai_frontend.tool_parsers.json_calls import (json_container_end, ready_calls,
+                                                     scan_call_objects)
 
 MARKER = "[TOOL_CALLS]"
+ARGS = "[ARGS]"
 
 
 class MistralParser:
@@ -16,11 +20,19 @@ class MistralParser:
         at = text.find(MARKER)
         if at < 0:
             return plain(text)
+        calls = []
         try:
-            decoded = json.loads(text[at + len(MARKER):])
-            items = decoded if isinstance(decoded, list) else [decoded]
-            calls = [ToolCall(_name(item), arguments_json(item["arguments"])) for item in items]
-        except (ValueError, KeyError, TypeError):
+            for segment in text[at + len(MARKER):].split(MARKER):
+                if segment.lstrip().startswith(("[", "{")):
+                    decoded = json.loads(segment)
+                    items = decoded if isinstance(decoded, list) else [decoded]
+                    calls.extend(ToolCall(_name(i), arguments_json(i["arguments"])) for i in items)
+                else:
+                    name, found, arguments = segment.partition(ARGS)
+                    if not found or not name.strip():
+                        return plain(text)
+                    calls.append(ToolCall(name.strip(), arguments_json(json.loads(arguments))))
+        except (ValueError, KeyError, TypeError, RecursionError):
             return plain(text)
         if not calls:
             return plain(text)
@@ -30,11 +42,26 @@ class MistralParser:
         at = text.find(MARKER)
         if at < 0:
             return Scan(len(text) - held_back(text, MARKER))
-        body = at + len(MARKER)
-        while body < len(text) and text[body].isspace():
-            body += 1
-        in_array = text.startswith("[", body)
-        return Scan(at, ready_calls(text, scan_call_objects(text, body, in_array=in_array)))
+        calls: list[ToolCall] = []
+        marker = at
+        while marker >= 0:
+            body = marker + len(MARKER)
+            while body < len(text) and text[body].isspace():
+                body += 1
+            if text.startswith(("[", "{"), body):
+                calls.extend(ready_calls(text, scan_call_objects(
+                    text, body, in_array=text.startswith("[", body))))
+                break
+            args = text.find(ARGS, body)
+            if args < 0:
+                break  # the name is not finished yet
+            start = args + len(ARGS)
+            end = json_container_end(text, start)
+            calls.append(ToolCall(text[body:args].strip(), text[start:end or len(text)]))
+            if end is None:
+                break
+            marker = text.find(MARKER, end)
+        return Scan(at, calls)
 
 
 def _name(item: dict) -> str:

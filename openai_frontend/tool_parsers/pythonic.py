@@ -19,7 +19,7 @@ class PythonicParser:
             if not isinstance(tree, ast.List) or not tree.elts:
                 return plain(text)
             return Extracted([_call(node) for node in tree.elts], None)
-        except (SyntaxError, ValueError):
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return plain(text)
 
     def scan(self, text: str) -> Scan:
@@ -32,7 +32,7 @@ class PythonicParser:
         for segment in _finished_elements(rest):
             try:
                 calls.append(_call(ast.parse(segment.strip(), mode="eval").body))
-            except (SyntaxError, ValueError):
+            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
                 break
         return Scan(0, calls)
 

@@ -176,3 +176,27 @@ def test_streamed_required_and_auto_calls_finish_with_tool_calls():
     chunks = streamed(hermes, ["see ", "<tool", "box>"])
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "see <toolbox>"
     assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_tools_and_past_calls_reach_the_chat_template():
+    import copy
+
+    from openai_frontend.chat import load_tokenizer, render_chat
+
+    tokenizer = copy.deepcopy(load_tokenizer(None))
+    # A template in the style of hermes/llama 3.1 ones: tools listed, past calls' arguments
+    # read as a mapping.
+    tokenizer.chat_template = (
+        "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}"
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}<{{ c.function.name }} city={{ c.function.arguments.city }}>"
+        "{% endfor %}|{% endfor %}")
+    history = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    prompt = render_chat(tokenizer, history, add_generation_prompt=False, tools=TOOLS)
+    assert prompt == ("[get_weather][ping]user:Weather in Paris?|"
+                      "assistant:<get_weather city=Paris>|tool:sunny|")
+    # The default model's own template takes the same conversation.
+    assert "sunny" in render_chat(load_tokenizer(None), history, tools=TOOLS)

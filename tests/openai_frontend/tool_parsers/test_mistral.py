@@ -21,6 +21,17 @@ def test_array_of_calls():
     assert with_text.content == "Sure." and with_text.calls[0].arguments == '{"a": 1}'
 
 
+def test_name_args_form_of_newer_tokenizers():
+    text = 'Sure [TOOL_CALLS]get_weather[ARGS]{"city": "[ARGS]"}[TOOL_CALLS]noop[ARGS]{}'
+    found = PLAN.parser.extract(text)
+    assert found.content == "Sure"
+    assert [(c.name, json.loads(c.arguments)) for c in found.calls] == [
+        ("get_weather", {"city": "[ARGS]"}), ("noop", {})]
+    check_every_cut(PLAN, text, "Sure ", [("get_weather", {"city": "[ARGS]"}), ("noop", {})])
+    for bad in ("[TOOL_CALLS]f", "[TOOL_CALLS]f[ARGS]{oops", "[TOOL_CALLS][ARGS]{}"):
+        assert PLAN.parser.extract(bad).calls == []
+
+
 def test_streamed():
     check_every_cut(PLAN, TWO, "", [("get_weather", {"city": "[Paris]"}), ("noop", {})])
     check_every_cut(PLAN, 'Hi [TOOL_CALLS][{"name": "f", "arguments": {"a": "b"}}]', "Hi ",
