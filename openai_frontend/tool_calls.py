@@ -21,7 +21,7 @@ from typing import Any, Literal
 from openai_frontend.errors import bad_request
 from openai_frontend.tool_parsers import Extracted, Scan, ToolCall, ToolParser, make_parser
 from openai_frontend.tool_parsers.base import arguments_json
-from openai_frontend.tool_parsers.json_calls import ready_calls, scan_call_objects
+from openai_frontend.tool_parsers.json_calls import ScanCache, ready_calls
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,13 +165,13 @@ def _required_calls(text: str) -> list[ToolCall]:
     return [ToolCall(i["name"], arguments_json(i["parameters"])) for i in items]
 
 
-def scan(plan: ToolPlan, text: str) -> Scan:
+def scan(plan: ToolPlan, text: str, cache: ScanCache) -> Scan:
     if plan.kind == "named":
         return Scan(0, [ToolCall(plan.function, text)] if text else [])
     if plan.kind == "required":
-        return Scan(0, ready_calls(text, scan_call_objects(text, arg_keys=("parameters",),
-                                                           in_array=True)))
-    return plan.parser.scan(text)
+        return Scan(0, ready_calls(text, cache.calls(text, 0, arg_keys=("parameters",),
+                                                     in_array=True)))
+    return plan.parser.scan(text, cache)
 
 
 def finish_reason(plan: ToolPlan | None, engine_reason: str | None, called: bool) -> str | None:
@@ -196,6 +196,7 @@ class ToolStream:
     text: str = ""
     content_sent: int = 0
     arguments_sent: list[int] = field(default_factory=list)
+    cache: ScanCache = field(default_factory=ScanCache)
 
     @property
     def called(self) -> bool:
@@ -203,7 +204,7 @@ class ToolStream:
 
     def feed(self, new_text: str) -> tuple[str, list[dict[str, Any]]]:
         self.text += new_text
-        found = scan(self.plan, self.text)
+        found = scan(self.plan, self.text, self.cache)
         content = ""
         if not self.called and found.content_end > self.content_sent:
             content = self.text[self.content_sent:found.content_end]

@@ -2,14 +2,17 @@
 
 A parser has two views of the model's text: `extract` (the finished text -> calls and
 the content left over) and `scan` (any prefix of it -> how much is surely plain content,
-and the calls already recognisable). `scan` must be prefix-stable: on a longer text the
+and the calls already recognisable; called with ever longer texts of one stream). `scan` must be prefix-stable: on a longer text the
 content end never moves back and each call's arguments only grow, which is what lets
 the streaming layer (openai_frontend/tool_calls.py) send differences and nothing else."""
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from openai_frontend.tool_parsers.json_calls import ScanCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +40,8 @@ class Scan:
 class ToolParser(Protocol):
     def extract(self, text: str) -> Extracted: ...
 
-    def scan(self, text: str) -> Scan: ...
+    def scan(self, text: str, cache: ScanCache) -> Scan:
+        """`cache`: the stream's own (its scanners resume where they stopped)."""
 
 
 def plain(text: str) -> Extracted:

@@ -8,7 +8,7 @@ import re
 
 from openai_frontend.tool_parsers.base import (Extracted, Scan, ToolCall, arguments_json,
                                                held_back, plain)
-from openai_frontend.tool_parsers.json_calls import ready_calls, scan_call_objects
+from openai_frontend.tool_parsers.json_calls import ScanCache, ready_calls
 
 START, END = "<tool_call>", "</tool_call>"
 # A call left open at the end (the model stopped before </tool_call>) still counts.
@@ -33,7 +33,7 @@ class HermesParser:
             return plain(text)
         return Extracted(calls, text[:first] or None)
 
-    def scan(self, text: str) -> Scan:
+    def scan(self, text: str, cache: ScanCache) -> Scan:
         first = text.find(START)
         if first < 0:
             return Scan(len(text) - held_back(text, START))
@@ -43,7 +43,7 @@ class HermesParser:
             body = position + len(START)
             end = text.find(END, body)
             stop = len(text) if end < 0 else end
-            found = ready_calls(text, scan_call_objects(text, body, stop), stop)[:1]
+            found = ready_calls(text, cache.calls(text, body, stop), stop)[:1]
             calls.extend(found)
             if end < 0 or not found:
                 break

@@ -5,11 +5,15 @@ Shared by the parsers whose calls are JSON objects (hermes, llama3_json, mistral
 tool_choice="required" (an array of {"name", "parameters"}). One pass that knows strings
 and nesting, and reads only the keys of the call objects themselves, so braces or quotes
 inside the arguments never confuse it. The offsets it finds for a prefix of a text are
-the same it finds for the whole text, so streaming can send what grew since last time."""
+the same it finds for the whole text, so streaming can send what grew since last time.
+
+The scanners resume where they stopped (ScanCache keeps one per stream), so a streamed
+reply costs one pass over its text, not one per token: a model that writes thousands of
+tokens of unfinished JSON must not stall the event loop."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from openai_frontend.tool_parsers.base import ToolCall
 
@@ -25,93 +29,156 @@ class CallSpan:
     args_end: int | None = None
 
 
-def scan_call_objects(text: str, start: int = 0, stop: int | None = None,
-                      arg_keys: tuple[str, ...] = ("arguments",),
-                      in_array: bool = False) -> list[CallSpan]:
-    """The call objects of text[start:stop]: one JSON array of them (in_array) or a
-    sequence of objects separated by whitespace, `,` or `;`. Scanning ends at anything
+class CallObjectScanner:
+    """The call objects from `start` on: one JSON array of them (in_array) or a sequence
+    of objects separated by whitespace, `,` or `;`. Scanning ends for good at anything
     else outside the objects (or at the array's end)."""
-    stop = len(text) if stop is None else stop
-    level = 1 if in_array else 0   # the depth at which a call object opens
-    spans: list[CallSpan] = []
-    depth, in_string, escaped, string_start = 0, False, False, 0
-    current: CallSpan | None = None
-    expect, key, value_start = _KEY, None, 0
 
-    def end_value(pos: int) -> None:
-        nonlocal expect
-        if key in arg_keys:
-            current.args_end = pos
-        elif key == "name" and expect == _STRING:
+    def __init__(self, start: int, arg_keys: tuple[str, ...] = ("arguments",),
+                 in_array: bool = False) -> None:
+        self.position = start
+        self.arg_keys = arg_keys
+        self.level = 1 if in_array else 0   # the depth at which a call object opens
+        self.spans: list[CallSpan] = []
+        self.done = False
+        self._depth, self._in_string, self._escaped, self._string_start = 0, False, False, 0
+        self._current: CallSpan | None = None
+        self._expect, self._key, self._value_start = _KEY, None, 0
+
+    def advance(self, text: str, stop: int | None = None) -> list[CallSpan]:
+        stop = len(text) if stop is None else stop
+        while not self.done and self.position < stop:
+            self._step(text, self.position)
+            self.position += 1
+        return self.spans
+
+    def _end_value(self, text: str, pos: int) -> None:
+        if self._key in self.arg_keys:
+            self._current.args_end = pos
+        elif self._key == "name" and self._expect == _STRING:
             try:
-                current.name = json.loads(text[value_start:pos])
+                self._current.name = json.loads(text[self._value_start:pos])
             except ValueError:
-                current.name = None
-        expect = _AFTER
+                self._current.name = None
+        self._expect = _AFTER
 
-    def start_value(pos: int, state: int) -> None:
-        nonlocal expect, value_start
-        value_start = pos
-        if key in arg_keys:
-            current.args_start = pos
-        expect = state
+    def _start_value(self, pos: int, state: int) -> None:
+        self._value_start = pos
+        if self._key in self.arg_keys:
+            self._current.args_start = pos
+        self._expect = state
 
-    for i in range(start, stop):
-        ch = text[i]
-        inside = current is not None and depth == level + 1
-        if in_string:
-            if escaped:
-                escaped = False
+    def _step(self, text: str, i: int) -> None:
+        ch, level = text[i], self.level
+        inside = self._current is not None and self._depth == level + 1
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
             elif ch == "\\":
-                escaped = True
+                self._escaped = True
             elif ch == '"':
-                in_string = False
-                if inside and expect == _KEY:
-                    key, expect = text[string_start + 1:i], _COLON
-                elif inside and expect == _STRING:
-                    end_value(i + 1)
-            continue
+                self._in_string = False
+                if inside and self._expect == _KEY:
+                    self._key, self._expect = text[self._string_start + 1:i], _COLON
+                elif inside and self._expect == _STRING:
+                    self._end_value(text, i + 1)
+            return
         if ch == '"':
-            if depth <= level:
-                break  # a string between the call objects: not a call list
-            in_string, string_start = True, i
-            if inside and expect == _VALUE:
-                start_value(i, _STRING)
+            if self._depth <= level:
+                self.done = True  # a string between the call objects: not a call list
+                return
+            self._in_string, self._string_start = True, i
+            if inside and self._expect == _VALUE:
+                self._start_value(i, _STRING)
         elif ch in "{[":
-            if depth < level and ch != "[" or depth == level and ch != "{":
-                break
-            if depth == level:
-                current = CallSpan()
-                spans.append(current)
-                expect, key = _KEY, None
-            elif inside and expect == _VALUE:
-                start_value(i, _CONTAINER)
-            depth += 1
+            if self._depth < level and ch != "[" or self._depth == level and ch != "{":
+                self.done = True
+                return
+            if self._depth == level:
+                self._current = CallSpan()
+                self.spans.append(self._current)
+                self._expect, self._key = _KEY, None
+            elif inside and self._expect == _VALUE:
+                self._start_value(i, _CONTAINER)
+            self._depth += 1
         elif ch in "}]":
-            if inside and expect == _SCALAR:
-                end_value(i)
-            depth -= 1
-            if current is not None and depth == level + 1 and expect == _CONTAINER:
-                end_value(i + 1)
-            elif depth == level:
-                current = None
-            if depth < level or depth < 0:
-                break
+            if inside and self._expect == _SCALAR:
+                self._end_value(text, i)
+            self._depth -= 1
+            if self._current is not None and self._depth == level + 1 \
+                    and self._expect == _CONTAINER:
+                self._end_value(text, i + 1)
+            elif self._depth == level:
+                self._current = None
+            if self._depth < level or self._depth < 0:
+                self.done = True
         elif inside:
-            if ch == ":" and expect == _COLON:
-                expect = _VALUE
+            if ch == ":" and self._expect == _COLON:
+                self._expect = _VALUE
             elif ch == ",":
-                if expect == _SCALAR:
-                    end_value(i)
-                expect, key = _KEY, None
+                if self._expect == _SCALAR:
+                    self._end_value(text, i)
+                self._expect, self._key = _KEY, None
             elif ch.isspace():
-                if expect == _SCALAR:
-                    end_value(i)
-            elif expect == _VALUE:
-                start_value(i, _SCALAR)
-        elif depth <= level and not (ch.isspace() or ch in ",;" and depth == level):
-            break
-    return spans
+                if self._expect == _SCALAR:
+                    self._end_value(text, i)
+            elif self._expect == _VALUE:
+                self._start_value(i, _SCALAR)
+        elif self._depth <= level and not (ch.isspace() or ch in ",;" and self._depth == level):
+            self.done = True
+
+
+class ContainerEndScanner:
+    """Where the JSON object or array that begins at `start` (after whitespace) ends."""
+
+    def __init__(self, start: int) -> None:
+        self.position = start
+        self.end: int | None = None
+        self.done = False
+        self._depth, self._in_string, self._escaped = 0, False, False
+
+    def advance(self, text: str) -> int | None:
+        while not self.done and self.position < len(text):
+            ch = text[self.position]
+            self.position += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch in "{[":
+                self._depth += 1
+            elif ch in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end, self.done = self.position, True
+            elif self._depth == 0 and not ch.isspace():
+                self.done = True  # not an object or array: it never ends as one
+        return self.end
+
+
+@dataclass(slots=True)
+class ScanCache:
+    """One streamed reply's scanners, by where they start."""
+    scanners: dict[tuple, object] = field(default_factory=dict)
+
+    def get(self, key: tuple, make):
+        scanner = self.scanners.get(key)
+        if scanner is None:
+            scanner = self.scanners[key] = make()
+        return scanner
+
+    def calls(self, text: str, start: int, stop: int | None = None,
+              arg_keys: tuple[str, ...] = ("arguments",), in_array: bool = False) -> list[CallSpan]:
+        return self.get(("calls", start, arg_keys, in_array),
+                        lambda: CallObjectScanner(start, arg_keys, in_array)).advance(text, stop)
+
+    def container_end(self, text: str, start: int) -> int | None:
+        return self.get(("end", start), lambda: ContainerEndScanner(start)).advance(text)
 
 
 def ready_calls(text: str, spans: list[CallSpan], stop: int | None = None) -> list[ToolCall]:
@@ -125,30 +192,3 @@ def ready_calls(text: str, spans: list[CallSpan], stop: int | None = None) -> li
         end = span.args_end if span.args_end is not None else stop
         calls.append(ToolCall(span.name, text[span.args_start:end]))
     return calls
-
-
-def json_container_end(text: str, start: int, stop: int | None = None) -> int | None:
-    """Just past the JSON object or array that begins at text[start] (after whitespace);
-    None while it is still open (or when no object or array begins there)."""
-    stop = len(text) if stop is None else stop
-    depth, in_string, escaped = 0, False, False
-    for i in range(start, stop):
-        ch = text[i]
-        if in_string:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_string = False
-        elif ch == '"':
-            in_string = True
-        elif ch in "{[":
-            depth += 1
-        elif ch in "}]":
-            depth -= 1
-            if depth == 0:
-                return i + 1
-        elif depth == 0 and not ch.isspace():
-            return None
-    return None

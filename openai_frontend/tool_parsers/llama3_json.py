@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from openai_frontend.tool_parsers.base import Extracted, Scan, ToolCall, arguments_json, plain
-from openai_frontend.tool_parsers.json_calls import ready_calls, scan_call_objects
+from openai_frontend.tool_parsers.json_calls import ScanCache, ready_calls
 
 PYTHON_TAG = "<|python_tag|>"
 _ARG_KEYS = ("parameters", "arguments")
@@ -30,7 +30,7 @@ class Llama3JsonParser:
             return plain(text)
         return Extracted(calls, None) if calls else plain(text)
 
-    def scan(self, text: str) -> Scan:
+    def scan(self, text: str, cache: ScanCache) -> Scan:
         lead = len(text) - len(text.lstrip())
         rest = text[lead:]
         if rest.startswith(PYTHON_TAG):
@@ -41,4 +41,4 @@ class Llama3JsonParser:
             return Scan(0)  # not decided yet
         else:
             return Scan(len(text))
-        return Scan(0, ready_calls(text, scan_call_objects(text, body, arg_keys=_ARG_KEYS)))
+        return Scan(0, ready_calls(text, cache.calls(text, body, arg_keys=_ARG_KEYS)))

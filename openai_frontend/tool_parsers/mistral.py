@@ -8,8 +8,7 @@ import json
 
 from openai_frontend.tool_parsers.base import (Extracted, Scan, ToolCall, arguments_json,
                                                held_back, plain)
-from openai_frontend.tool_parsers.json_calls import (json_container_end, ready_calls,
-                                                     scan_call_objects)
+from openai_frontend.tool_parsers.json_calls import ScanCache, ready_calls
 
 MARKER = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -38,7 +37,7 @@ class MistralParser:
             return plain(text)
         return Extracted(calls, text[:at].strip() or None)
 
-    def scan(self, text: str) -> Scan:
+    def scan(self, text: str, cache: ScanCache) -> Scan:
         at = text.find(MARKER)
         if at < 0:
             return Scan(len(text) - held_back(text, MARKER))
@@ -49,14 +48,14 @@ class MistralParser:
             while body < len(text) and text[body].isspace():
                 body += 1
             if text.startswith(("[", "{"), body):
-                calls.extend(ready_calls(text, scan_call_objects(
+                calls.extend(ready_calls(text, cache.calls(
                     text, body, in_array=text.startswith("[", body))))
                 break
             args = text.find(ARGS, body)
             if args < 0:
                 break  # the name is not finished yet
             start = args + len(ARGS)
-            end = json_container_end(text, start)
+            end = cache.container_end(text, start)
             calls.append(ToolCall(text[body:args].strip(), text[start:end or len(text)]))
             if end is None:
                 break

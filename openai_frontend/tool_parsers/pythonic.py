@@ -8,6 +8,7 @@ import ast
 from typing import Any
 
 from openai_frontend.tool_parsers.base import Extracted, Scan, ToolCall, arguments_json, plain
+from openai_frontend.tool_parsers.json_calls import ScanCache
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 
@@ -22,19 +23,14 @@ class PythonicParser:
         except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
             return plain(text)
 
-    def scan(self, text: str) -> Scan:
+    def scan(self, text: str, cache: ScanCache) -> Scan:
         rest = text.lstrip()
         if not rest:
             return Scan(0)
         if not rest.startswith("["):
             return Scan(len(text))
-        calls = []
-        for segment in _finished_elements(rest):
-            try:
-                calls.append(_call(ast.parse(segment.strip(), mode="eval").body))
-            except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
-                break
-        return Scan(0, calls)
+        elements = cache.get(("pythonic",), lambda: _ListElements(len(text) - len(rest)))
+        return Scan(0, elements.advance(text))
 
 
 def _call(node: ast.expr) -> ToolCall:
@@ -67,30 +63,47 @@ def _literal(node: ast.expr) -> Any:
     return ast.literal_eval(node)
 
 
-def _finished_elements(text: str) -> list[str]:
-    """The list's elements that are complete in `text` (which starts with `[`): each ends
-    at a top-level `,` or at the closing `]`. Knows Python's quotes, so a bracket or comma
-    inside a string does not count."""
-    elements, depth, quote, escaped, begin = [], 0, "", False, 1
-    for i, ch in enumerate(text):
-        if quote:
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == quote:
-                quote = ""
-            continue
-        if ch in "'\"":
-            quote = ch
-        elif ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-            if depth == 0:
-                elements.append(text[begin:i])
-                return [e for e in elements if e.strip()]
-        elif ch == "," and depth == 1:
-            elements.append(text[begin:i])
-            begin = i + 1
-    return elements
+class _ListElements:
+    """The list's calls complete so far (the text at `start` is `[`): an element ends at a
+    top-level `,` or at the closing `]`, each read once. Knows Python's quotes, so a
+    bracket or comma inside a string does not count. An element that is not a call ends
+    the list: what follows is not announced."""
+
+    def __init__(self, start: int) -> None:
+        self.position = start
+        self.calls: list[ToolCall] = []
+        self.done = False
+        self._depth, self._quote, self._escaped, self._begin = 0, "", False, start + 1
+
+    def advance(self, text: str) -> list[ToolCall]:
+        while not self.done and self.position < len(text):
+            i, ch = self.position, text[self.position]
+            self.position += 1
+            if self._quote:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == self._quote:
+                    self._quote = ""
+            elif ch in "'\"":
+                self._quote = ch
+            elif ch in "([{":
+                self._depth += 1
+            elif ch in ")]}":
+                self._depth -= 1
+                if self._depth == 0:
+                    self._element(text[self._begin:i])
+                    self.done = True
+            elif ch == "," and self._depth == 1:
+                self._element(text[self._begin:i])
+                self._begin = i + 1
+        return self.calls
+
+    def _element(self, segment: str) -> None:
+        if not segment.strip():
+            return
+        try:
+            self.calls.append(_call(ast.parse(segment.strip(), mode="eval").body))
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):
+            self.done = True

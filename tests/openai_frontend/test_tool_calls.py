@@ -200,3 +200,28 @@ def test_tools_and_past_calls_reach_the_chat_template():
                       "assistant:<get_weather city=Paris>|tool:sunny|")
     # The default model's own template takes the same conversation.
     assert "sunny" in render_chat(load_tokenizer(None), history, tools=TOOLS)
+
+
+@pytest.mark.parametrize("plan,opening", [
+    (ToolPlan("auto", parser=make_parser("llama3_json")), '{"name": "f", "parameters": {"s": "'),
+    (ToolPlan("auto", parser=make_parser("hermes")), '<tool_call>{"name": "f", "arguments": {"s": "'),
+    (ToolPlan("auto", parser=make_parser("mistral")), '[TOOL_CALLS]f[ARGS]{"s": "'),
+    (ToolPlan("auto", parser=make_parser("pythonic")), '[f(s="'),
+    (ToolPlan("required"), '[{"name": "f", "parameters": {"s": "'),
+])
+def test_a_long_unfinished_call_streams_in_one_pass(plan, opening):
+    """A model writing 40,000 characters of a never-closed call, token by token: the
+    scanners resume, so this is linear (a rescan per token would take minutes and hold
+    the event loop, and every other request with it)."""
+    import time
+
+    from openai_frontend.tool_calls import ToolStream
+
+    stream = ToolStream(plan)
+    started = time.monotonic()
+    stream.feed(opening)
+    for _ in range(10_000):
+        stream.feed("abcd")
+    assert time.monotonic() - started < 10
+    # Arguments went out as they grew; a pythonic call only once it is complete.
+    assert stream.called == (not opening.startswith("[f("))
