@@ -106,7 +106,9 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
                                       options.tool_calls)
         prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt,
                              body.continue_final_message, body.chat_template_kwargs, body.tools)
-        return await answer(request, chat_request(body, prompt, constraint),
+        triton_request = chat_request(body, prompt, constraint,
+                                      keep_special_tokens=plan is not None and plan.keeps_special_tokens)
+        return await answer(request, triton_request,
                             ChatFormat(served_model_name, top_logprobs=body.top_logprobs or 0,
                                        tools=plan))
 

@@ -52,10 +52,12 @@ def completion_request(req: CompletionRequest) -> TritonRequest:
 
 
 def chat_request(req: ChatCompletionRequest, prompt: str,
-                 tool_constraint: dict[str, Any] | None = None) -> TritonRequest:
+                 tool_constraint: dict[str, Any] | None = None,
+                 keep_special_tokens: bool = False) -> TritonRequest:
     """`prompt`: the messages through the model's chat template (openai_frontend.chat);
     `tool_constraint`: what tool_choice named / "required" forces the output to
-    (openai_frontend.tool_calls.plan_tools)."""
+    (openai_frontend.tool_calls.plan_tools); `keep_special_tokens`: the tool-call parser
+    reads markers that are special tokens."""
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise bad_request("send max_completion_tokens or max_tokens, not both", "max_tokens")
@@ -69,6 +71,8 @@ def chat_request(req: ChatCompletionRequest, prompt: str,
             raise bad_request("You can only either use constraints for structured outputs "
                               "or tools, not both.", "tool_choice")
         sampling["structured_outputs"] = tool_constraint
+    if keep_special_tokens:
+        sampling["skip_special_tokens"] = False
     # OpenAI's chat default is "until the model stops or the context is full", which
     # is the engine's max_tokens=None (bounded by max_model_len).
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

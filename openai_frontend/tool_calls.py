@@ -44,6 +44,10 @@ class ToolPlan:
     function: str | None = None
     parser: ToolParser | None = None
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        return self.parser is not None and self.parser.keeps_special_tokens
+
 
 def make_call_id() -> str:
     # vLLM's form (make_tool_call_id): "chatcmpl-tool-" and 16 hex digits.

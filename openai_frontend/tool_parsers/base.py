@@ -38,6 +38,9 @@ class Scan:
 
 
 class ToolParser(Protocol):
+    # The markers are special tokens: the reply must be decoded with them kept.
+    keeps_special_tokens: bool
+
     def extract(self, text: str) -> Extracted: ...
 
     def scan(self, text: str, cache: ScanCache) -> Scan:

@@ -16,6 +16,9 @@ _BLOCK = re.compile(re.escape(START) + r"(.*?)(?:" + re.escape(END) + r"|$)", re
 
 
 class HermesParser:
+    # <tool_call> is a special token in some vocabularies (Hermes 2 Pro); vLLM keeps them too.
+    keeps_special_tokens = True
+
     def extract(self, text: str) -> Extracted:
         first = text.find(START)
         if first < 0:

@@ -14,6 +14,8 @@ _ARG_KEYS = ("parameters", "arguments")
 
 
 class Llama3JsonParser:
+    keeps_special_tokens = False
+
     def extract(self, text: str) -> Extracted:
         decoder = json.JSONDecoder()
         calls = []

@@ -15,6 +15,9 @@ ARGS = "[ARGS]"
 
 
 class MistralParser:
+    # [TOOL_CALLS] is a control token: decoding must keep it, as vLLM does.
+    keeps_special_tokens = True
+
     def extract(self, text: str) -> Extracted:
         at = text.find(MARKER)
         if at < 0:

@@ -14,6 +14,8 @@ _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
 class PythonicParser:
+    keeps_special_tokens = False
+
     def extract(self, text: str) -> Extracted:
         try:
             tree = ast.parse(text.strip(), mode="eval").body

@@ -225,3 +225,14 @@ def test_a_long_unfinished_call_streams_in_one_pass(plan, opening):
     assert time.monotonic() - started < 10
     # Arguments went out as they grew; a pythonic call only once it is complete.
     assert stream.called == (not opening.startswith("[f("))
+
+
+def test_auto_with_a_special_token_marker_keeps_special_tokens():
+    # As vLLM's hermes and mistral parsers: their markers are special tokens in some
+    # vocabularies, and skipping them would hide every call.
+    for name, keeps in (("hermes", True), ("mistral", True), ("llama3_json", False), ("pythonic", False)):
+        plan, _ = plan_tools(TOOLS, "auto", None, ToolCallConfig(name, True))
+        assert plan.keeps_special_tokens is keeps
+    req = ChatCompletionRequest(model="m", messages=USER, tools=TOOLS)
+    assert chat_request(req, "P", None, keep_special_tokens=True).sampling["skip_special_tokens"] is False
+    assert "skip_special_tokens" not in chat_request(req, "P").sampling
