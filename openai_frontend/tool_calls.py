@@ -14,6 +14,7 @@ finish_reason follows vLLM: "tool_calls" when auto found calls or "required" sto
 the engine's own reason for a named choice."""
 from __future__ import annotations
 
+import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -43,6 +44,8 @@ class ToolPlan:
     kind: Literal["named", "required", "auto"]
     function: str | None = None
     parser: ToolParser | None = None
+    # parallel_tool_calls=false: only the first call is returned (vLLM's filter).
+    single_call: bool = False
 
     @property
     def keeps_special_tokens(self) -> bool:
@@ -75,9 +78,11 @@ def plan_tools(tools: list[dict[str, Any]] | None, tool_choice: Any,
         if not config.enable_auto_tool_choice:
             raise bad_request('"auto" tool choice requires --enable-auto-tool-choice and '
                               "--tool-call-parser to be set", "tool_choice")
-        return ToolPlan("auto", parser=make_parser(config.parser)), None
+        return ToolPlan("auto", parser=make_parser(config.parser),
+                        single_call=parallel_tool_calls is False), None
     if tool_choice == "required":
-        return ToolPlan("required"), {"json": required_schema(tools, parallel_tool_calls)}
+        return (ToolPlan("required", single_call=parallel_tool_calls is False),
+                {"json": required_schema(tools, parallel_tool_calls)})
     if isinstance(tool_choice, dict):
         name = _named(tool_choice)
         by_name = {t["function"]["name"]: t["function"] for t in tools}
@@ -150,17 +155,17 @@ def extract(plan: ToolPlan, text: str) -> Extracted:
     """The finished text of one choice -> its calls and content."""
     if plan.kind == "named":
         return Extracted([ToolCall(plan.function, text)] if text.strip() else [], None)
-    if plan.kind == "required":
-        return Extracted(_required_calls(text), None)
-    return plan.parser.extract(text)
+    found = Extracted(_required_calls(text), None) if plan.kind == "required" \
+        else plan.parser.extract(text)
+    if plan.single_call and len(found.calls) > 1:
+        return Extracted(found.calls[:1], found.content)
+    return found
 
 
 def _required_calls(text: str) -> list[ToolCall]:
-    import json
-
     try:
         items = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return []
     if not isinstance(items, list) or not all(
             isinstance(i, dict) and isinstance(i.get("name"), str) and "parameters" in i
@@ -214,7 +219,7 @@ class ToolStream:
             content = self.text[self.content_sent:found.content_end]
             self.content_sent = found.content_end
         deltas = []
-        for index, call in enumerate(found.calls):
+        for index, call in enumerate(found.calls[:1] if self.plan.single_call else found.calls):
             if index == len(self.arguments_sent):
                 deltas.append({"index": index, "id": make_call_id(), "type": "function",
                                "function": {"name": call.name, "arguments": call.arguments}})

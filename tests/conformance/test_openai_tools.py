@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-
 from openai_frontend.chat import default_tokenizer_path, load_tokenizer
 from openai_frontend.mapping import chat_request
 from openai_frontend.protocol import ChatCompletionRequest

@@ -65,7 +65,7 @@ def stop_frontend(process):
 
 @pytest.fixture(scope="module")
 def frontend(server):
-    process, url = start_frontend(server)
+    process, url = start_frontend(server, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     try:
         yield url
     finally:
@@ -338,6 +338,27 @@ def test_required_tool_choice_gives_tool_calls(server, client, tools_prompt):
                                                  max_tokens=80, temperature=0, stream=True))
     assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls(stream)] \
         == [(e["name"], e["parameters"]) for e in expected]
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
+
+
+def test_auto_tool_choice_parses_hermes_calls(server, client, tools_prompt):
+    # The random tiny model writes hermes' format only when made to: a regex constraint
+    # (structured outputs stay allowed with tool_choice auto, as in vLLM).
+    regex = r'Ok\. <tool_call>\{"name": "get_time", "arguments": \{"utc": (true|false)\}\}</tool_call>'
+    texts, reasons, _, _, _ = triton(server, tools_prompt, temperature=0, max_tokens=60,
+                                     skip_special_tokens=False, structured_outputs={"regex": regex})
+    assert reasons[0] == "stop", texts
+    kwargs = dict(model=SERVED, messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=0,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Ok. "
+    (call,) = choice.message.tool_calls
+    arguments = texts[0].split('"arguments": ')[1].removesuffix("}</tool_call>")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", json.loads(arguments))
+    stream = list(client.chat.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Ok. "
+    (streamed,) = streamed_calls(stream)
+    assert (streamed["name"], json.loads(streamed["arguments"])) == ("get_time", json.loads(arguments))
     assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
 
 

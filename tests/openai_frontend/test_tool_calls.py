@@ -236,3 +236,15 @@ def test_auto_with_a_special_token_marker_keeps_special_tokens():
     req = ChatCompletionRequest(model="m", messages=USER, tools=TOOLS)
     assert chat_request(req, "P", None, keep_special_tokens=True).sampling["skip_special_tokens"] is False
     assert "skip_special_tokens" not in chat_request(req, "P").sampling
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    from tests.openai_frontend.tool_parsers.streamed import assemble
+
+    plan, _ = plan_tools(TOOLS, "auto", False, AUTO)
+    text = ('<tool_call>{"name": "ping", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "x"}}</tool_call>')
+    assert [(c.function.name, c.function.arguments) for c in whole(plan, text).message.tool_calls] \
+        == [("ping", "{}")]
+    assert assemble(plan, text, 7)[1] == [("ping", "{}")]
+    assert len(whole(plan_tools(TOOLS, "auto", None, AUTO)[0], text).message.tool_calls) == 2
