@@ -157,3 +157,19 @@ def test_auto_tool_choice_without_the_flags_is_refused(service):
     r = requests.post(f"{service}/v1/chat/completions", headers=auth(), timeout=20,
                       json={"model": "served", "messages": USER, "tools": TOOLS})
     assert r.status_code == 400 and "--enable-auto-tool-choice" in r.json()["error"]["message"]
+
+
+def test_metrics_when_triton_is_unreachable_is_503_and_the_service_stays_up(tokenizer):
+    from openai_frontend.app import create_app
+
+    options = FrontendOptions(triton_metrics_url=f"http://127.0.0.1:{free_port()}/metrics")
+    server, thread, url = _serve(create_app(f"127.0.0.1:{free_port()}", "llm", "served", tokenizer,
+                                            options))
+    try:
+        r = requests.get(f"{url}/metrics", timeout=20)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+        # No --api-key: /v1 is open.
+        assert requests.get(f"{url}/v1/models", timeout=10).status_code == 200
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
