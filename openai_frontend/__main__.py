@@ -3,6 +3,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+from typing import Mapping
+
+from openai_frontend.options import FrontendOptions
+from openai_frontend.tool_parsers import PARSERS
 
 DEFAULT_PORT = 9000
 
@@ -20,11 +25,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer folder for the chat template (default: the embedded "
                              "SmolLM2-135M-Instruct's, the engine's default model)")
+    parser.add_argument("--triton-metrics", default="http://localhost:8002/metrics",
+                        help="Triton's metrics URL, re-exported at /metrics on this port "
+                             "('' for none; default: %(default)s)")
+    parser.add_argument("--api-key", nargs="+", default=None,
+                        help="require `Authorization: Bearer <key>` on /v1 (one of these keys; "
+                             "default: $VLLM_API_KEY, else no check)")
+    parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
+                        help="how the model writes tool calls (vLLM's parser names)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="tool_choice=auto: find calls in the text with --tool-call-parser")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="reported by /tokenize (default: the `llm` model's)")
     parser.add_argument("--host", default="0.0.0.0", help="(default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default: %(default)s)")
     parser.add_argument("--log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug"])
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    return args
+
+
+def frontend_options(args: argparse.Namespace,
+                     environ: Mapping[str, str] = os.environ) -> FrontendOptions:
+    from openai_frontend.auth import api_keys
+    from openai_frontend.tool_calls import ToolCallConfig
+
+    return FrontendOptions(
+        api_keys=api_keys(args.api_key, dict(environ)),
+        tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
+        triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokenizer = load_tokenizer(args.tokenizer)
-    app = create_app(args.triton_grpc, args.model, args.served_model_name or args.model, tokenizer)
+    app = create_app(args.triton_grpc, args.model, args.served_model_name or args.model, tokenizer,
+                     frontend_options(args))
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

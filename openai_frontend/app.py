@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import time
+from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,39 +14,61 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from openai_frontend.auth import ApiKeyMiddleware
 from openai_frontend.chat import render_chat
 from openai_frontend.errors import APIError, bad_request, model_not_found
 from openai_frontend.generation import complete
 from openai_frontend.mapping import chat_request, completion_request
+from openai_frontend.options import FrontendOptions
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import ChatFormat, CompletionFormat, OutputFormat
 from openai_frontend.streaming import stream_response
+from openai_frontend.tokenization import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from openai_frontend.tool_calls import plan_tools
 from openai_frontend.triton_client import TritonLLM
 
 log = logging.getLogger("openai_frontend")
 
 
-def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: Any) -> FastAPI:
+def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: Any,
+               options: FrontendOptions | None = None) -> FastAPI:
+    options = options or FrontendOptions()
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        # The asyncio gRPC channel belongs to the event loop it is made in: uvicorn's.
+        import aiohttp
+
+        # The asyncio gRPC channel and the HTTP session belong to the event loop they
+        # are made in: uvicorn's.
         app.state.llm = TritonLLM(triton_url, model)
+        app.state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         try:
             yield
         finally:
             await app.state.llm.close()
+            await app.state.http.close()
 
     app = FastAPI(title="triton-llm-engine OpenAI-compatible API", lifespan=lifespan)
     created = int(time.time())
     _install_error_handlers(app)
+    if options.api_keys:
+        app.add_middleware(ApiKeyMiddleware, keys=options.api_keys)
 
     def model_card() -> dict[str, Any]:
         return {"id": served_model_name, "object": "model", "created": created,
                 "owned_by": "triton-llm-engine", "root": model}
 
-    def check_model(name: str) -> None:
+    def check_model(name: str | None) -> None:
         if name != served_model_name:
             raise model_not_found(name)
+
+    async def max_model_len(request: Request) -> int:
+        if options.max_model_len is not None:
+            return options.max_model_len
+        if getattr(request.app.state, "max_model_len", None) is None:
+            request.app.state.max_model_len = await _find_max_model_len(
+                request.app.state.llm, tokenizer)
+        return request.app.state.max_model_len
 
     async def answer(request: Request, triton_request, fmt: OutputFormat):
         llm: TritonLLM = request.app.state.llm
@@ -77,12 +102,60 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
+        plan, constraint = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
+                                      options.tool_calls)
         prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt,
-                             body.continue_final_message, body.chat_template_kwargs)
-        return await answer(request, chat_request(body, prompt),
-                            ChatFormat(served_model_name, top_logprobs=body.top_logprobs or 0))
+                             body.continue_final_message, body.chat_template_kwargs, body.tools)
+        triton_request = chat_request(body, prompt, constraint,
+                                      keep_special_tokens=plan is not None and plan.keeps_special_tokens)
+        return await answer(request, triton_request,
+                            ChatFormat(served_model_name, top_logprobs=body.top_logprobs or 0,
+                                       tools=plan))
+
+    @app.post("/tokenize")
+    async def tokenize_route(body: TokenizeRequest, request: Request):
+        if body.model is not None:
+            check_model(body.model)
+        return tokenize(tokenizer, body, await max_model_len(request))
+
+    @app.post("/detokenize")
+    async def detokenize_route(body: DetokenizeRequest):
+        if body.model is not None:
+            check_model(body.model)
+        return detokenize(tokenizer, body)
+
+    @app.get("/version")
+    async def version():
+        return {"version": _version()}
+
+    if options.triton_metrics_url:
+        from openai_frontend.metrics_proxy import triton_metrics
+
+        @app.get("/metrics")
+        async def metrics(request: Request):
+            return await triton_metrics(request.app.state.http, options.triton_metrics_url)
 
     return app
+
+
+def _version() -> str:
+    try:
+        return metadata.version("triton-llm-engine")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+async def _find_max_model_len(llm: TritonLLM, tokenizer: Any) -> int:
+    """The `llm` model's max_model_len: its config parameter when set (as the tests and
+    scripts/serve.py set it), else what the engine takes by default, the model's
+    max_position_embeddings (the tokenizer folder's config.json)."""
+    configured = await llm.model_parameter("max_model_len")
+    if configured is not None:
+        return int(configured)
+    config = Path(getattr(tokenizer, "name_or_path", "") or ".") / "config.json"
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        return int(json.loads(config.read_text())["max_position_embeddings"])
+    return int(tokenizer.model_max_length)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -2,6 +2,7 @@
 with the model's chat template (the `llm` model takes text and tokenizes it itself)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,10 @@ def load_tokenizer(path: str | os.PathLike | None) -> Any:
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False,
-                template_kwargs: dict[str, Any] | None = None) -> str:
+                template_kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> str:
+    """`tools`: the request's, for templates that describe them to the model
+    (transformers hands them to the template as `tools`)."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad_request("the served model's tokenizer has no chat template; "
                           "use /v1/completions", "messages")
@@ -46,7 +50,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]], add_generation_p
     try:
         return tokenizer.apply_chat_template(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message, **(template_kwargs or {}))
+            continue_final_message=continue_final_message, tools=tools,
+            **(template_kwargs or {}))
     except Exception as exc:  # noqa: BLE001 - templates raise what they like (jinja's raise_exception)
         raise bad_request(f"chat template failed on these messages: {exc}", "messages") from None
 
@@ -58,7 +63,22 @@ def _message(index: int, message: dict[str, Any]) -> dict[str, Any]:
                           "messages")
     out = dict(message)
     out["content"] = _text(index, message.get("content"))
+    if isinstance(message.get("tool_calls"), list):
+        out["tool_calls"] = [_template_tool_call(call) for call in message["tool_calls"]]
     return out
+
+
+def _template_tool_call(call: Any) -> Any:
+    """OpenAI sends a past call's arguments as a JSON text; templates (hermes, llama 3.1,
+    ...) iterate over them as a mapping, so vLLM decodes them first, and so do we."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if isinstance(function, dict) and isinstance(function.get("arguments"), str):
+        try:
+            arguments = json.loads(function["arguments"])
+        except ValueError:
+            return call
+        return {**call, "function": {**function, "arguments": arguments}}
+    return call
 
 
 def _text(index: int, content: Any) -> str:

@@ -51,18 +51,28 @@ def completion_request(req: CompletionRequest) -> TritonRequest:
     return _triton_request(req, prompts, sampling, req.logprobs is not None)
 
 
-def chat_request(req: ChatCompletionRequest, prompt: str) -> TritonRequest:
-    """`prompt`: the messages through the model's chat template (openai_frontend.chat)."""
-    if req.tools:
-        raise bad_request("tools are not supported", "tools")
-    if req.tool_choice not in (None, "none", "auto"):
-        raise bad_request("tool_choice needs tools, which are not supported", "tool_choice")
+def chat_request(req: ChatCompletionRequest, prompt: str,
+                 tool_constraint: dict[str, Any] | None = None,
+                 keep_special_tokens: bool = False) -> TritonRequest:
+    """`prompt`: the messages through the model's chat template (openai_frontend.chat);
+    `tool_constraint`: what tool_choice named / "required" forces the output to
+    (openai_frontend.tool_calls.plan_tools); `keep_special_tokens`: the tool-call parser
+    reads markers that are special tokens."""
     if req.max_tokens is not None and req.max_completion_tokens is not None \
             and req.max_tokens != req.max_completion_tokens:
         raise bad_request("send max_completion_tokens or max_tokens, not both", "max_tokens")
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs needs logprobs=true", "top_logprobs")
     sampling = _sampling(req)
+    if tool_constraint is not None:
+        if "structured_outputs" in sampling and req.tool_choice != "required":
+            # vLLM's rule: a named tool is a constraint of its own; "required" replaces
+            # the request's.
+            raise bad_request("You can only either use constraints for structured outputs "
+                              "or tools, not both.", "tool_choice")
+        sampling["structured_outputs"] = tool_constraint
+    if keep_special_tokens:
+        sampling["skip_special_tokens"] = False
     # OpenAI's chat default is "until the model stops or the context is full", which
     # is the engine's max_tokens=None (bounded by max_model_len).
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -1,43 +1,57 @@
 """The request bodies of /v1/completions and /v1/chat/completions (OpenAI's names).
 
-Unknown fields are refused (400 naming them), as everywhere in this project: a typo or an
-OpenAI feature this server lacks would otherwise change the answer without a word. The
-fields a client may send that change nothing for a self-hosted model (`user`, `store`, ...)
-are accepted. vLLM's extra sampling parameters, which its clients send through the
+Unknown fields are ignored with a warning in the log, as vLLM ignores them (its
+OpenAIBaseModel): agents and SDKs add fields of their own that no server can predict.
+A known field with a bad value is still a 400 naming it. The fields a client may send that
+change nothing for a self-hosted model (`user`, `store`, ...) are accepted. vLLM's extra sampling parameters, which its clients send through the
 openai client's `extra_body`, are forwarded to the `llm` model under the same names."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("openai_frontend")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _warn_ignored(cls, data: Any, handler: Any) -> Any:
+        result = handler(data)
+        if isinstance(data, dict):
+            known = set(cls.model_fields) | {f.alias for f in cls.model_fields.values() if f.alias}
+            ignored = sorted(set(data) - known)
+            if ignored:
+                log.warning("%s: ignored unknown fields %s", cls.__name__, ignored)
+        return result
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Lenient):
     include_usage: bool = False
     # vLLM's: usage on every chunk. Accepted only off, so a client relying on it hears so.
     continuous_usage_stats: Literal[False] = False
 
 
-class JsonSchema(_Strict):
+class JsonSchema(_Lenient):
     name: str = "response"
     description: str | None = None
     # OpenAI's key is `schema`, a name pydantic's BaseModel reserves.
     json_schema: dict[str, Any] = Field(alias="schema")
     strict: bool | None = None
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
 
-class ResponseFormat(_Strict):
+class ResponseFormat(_Lenient):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
 
-class CommonFields(_Strict):
+class CommonFields(_Lenient):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None

@@ -10,6 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from openai_frontend.tool_calls import (ToolPlan, ToolStream, extract, finish_reason,
+                                        message_tool_calls)
+
 # Per new token: [(token text, logprob), ...], the sampled token first (triton_client.Chunk).
 Positions = list[list[tuple[str, float]]]
 
@@ -22,6 +25,8 @@ class ChoiceState:
     # Characters of completion text so far: completions' logprobs.text_offset.
     text_offset: int = 0
     completion_tokens: int = 0
+    # Chat with tools, streamed: what of the text went out as content / tool calls.
+    tools: ToolStream | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -57,7 +62,9 @@ class OutputFormat:
         return body
 
     def choice(self, index: int, text: str, finish_reason: str | None,
-               positions: Positions | None, state: ChoiceState, chunk: bool) -> dict[str, Any]:
+               positions: Positions | None, state: ChoiceState,
+               chunk: bool) -> dict[str, Any] | None:
+        """None: nothing to send for this choice in this chunk."""
         raise NotImplementedError
 
 
@@ -88,23 +95,49 @@ class ChatFormat(OutputFormat):
     chunk_object = "chat.completion.chunk"
     announces_start = True
     top_logprobs: int = 0
+    # The request's tools (openai_frontend/tool_calls.py); None: plain text replies.
+    tools: ToolPlan | None = None
 
-    def choice(self, index: int, text: str, finish_reason: str | None,
-               positions: Positions | None, state: ChoiceState, chunk: bool) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason_: str | None,
+               positions: Positions | None, state: ChoiceState,
+               chunk: bool) -> dict[str, Any] | None:
         logprobs = None if positions is None else chat_logprobs(positions, self.top_logprobs)
         if not chunk:
-            message = {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
-            return {"index": index, "message": message, "logprobs": logprobs,
-                    "finish_reason": finish_reason}
+            return {"index": index, "message": self._message(text, finish_reason_, state),
+                    "logprobs": logprobs, "finish_reason": state.finish_reason}
         # OpenAI's stream: the role in the choice's first delta only; a delta that only
         # finishes the choice is empty.
         delta: dict[str, Any] = {}
         if not state.started:
             delta["role"] = "assistant"
-        if text or not state.started:
-            delta["content"] = text
+        content, tool_deltas = text, []
+        if self.tools is not None:
+            state.tools = state.tools or ToolStream(self.tools)
+            content, tool_deltas = state.tools.feed(text)
+            if finish_reason_ is not None:
+                content += state.tools.flush()
+                finish_reason_ = finish_reason(self.tools, finish_reason_, state.tools.called)
+        if content or not state.started:
+            delta["content"] = content
+        if tool_deltas:
+            delta["tool_calls"] = tool_deltas
+        if state.started and not delta and finish_reason_ is None and logprobs is None:
+            return None  # held back: it may be the start of a tool call
         state.started = True
-        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs,
+                "finish_reason": finish_reason_}
+
+    def _message(self, text: str, reason: str | None, state: ChoiceState) -> dict[str, Any]:
+        state.finish_reason = reason
+        if self.tools is None:
+            return {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
+        found = extract(self.tools, text)
+        state.finish_reason = finish_reason(self.tools, reason, bool(found.calls))
+        content = found.content
+        if self.tools.kind != "auto":
+            content = content or ""  # vLLM's message for named / required
+        return {"role": "assistant", "content": content, "refusal": None,
+                "tool_calls": message_tool_calls(found.calls)}
 
 
 def completion_logprobs(positions: Positions, text_offset: int) -> dict[str, Any]:

@@ -78,7 +78,9 @@ def _chunk_event(prompt_index: int, chunk: Chunk, states: dict[int, ChoiceState]
             continue
         state.finish_reason = reason
         positions = chunk.logprobs[i] if chunk.logprobs is not None else None
-        choices.append(fmt.choice(prompt_index * n + i, text, reason, positions, state, chunk=True))
+        choice = fmt.choice(prompt_index * n + i, text, reason, positions, state, chunk=True)
+        if choice is not None:
+            choices.append(choice)
     if not choices:
         return None
     return sse(fmt.body(choices, None, chunk=True, with_usage=request.include_usage))

@@ -79,6 +79,16 @@ class TritonLLM:
         except Exception:  # noqa: BLE001 - unreachable, timed out, ...: not ready either way
             return False
 
+    async def model_parameter(self, name: str, timeout: float = 5.0) -> str | None:
+        """A parameter of the model's config (config.pbtxt `parameters`), None if unset."""
+        try:
+            reply = await self._client.get_model_config(self.model, as_json=True,
+                                                        client_timeout=timeout)
+        except Exception as exc:  # noqa: BLE001 - tritonclient raises its own exception type
+            raise from_triton(exc) from None
+        value = reply.get("config", {}).get("parameters", {}).get(name, {}).get("string_value")
+        return value or None
+
     async def generate(self, prompt: str, sampling: dict[str, Any], stream: bool,
                        logprobs: bool) -> AsyncIterator[Chunk]:
         """The request's responses as Chunks, ending with the final one. A Triton error

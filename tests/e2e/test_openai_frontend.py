@@ -29,14 +29,15 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required"
           "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def frontend(server):
+def start_frontend(server, *extra_args, env=None):
+    """`python -m openai_frontend` against the session's server, once healthy:
+    (process, url)."""
     port = free_port()
     command = [sys.executable, "-m", "openai_frontend", "--triton-grpc", server.grpc,
-               "--model", "llm", "--served-model-name", SERVED,
+               "--model", "llm", "--served-model-name", SERVED, "--triton-metrics", server.metrics,
                "--tokenizer", str(server.model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--log-level", "warning"]
-    process = subprocess.Popen(command, cwd=REPO_ROOT)
+               "--log-level", "warning", *extra_args]
+    process = subprocess.Popen(command, cwd=REPO_ROOT, env=env)
     url = f"http://127.0.0.1:{port}"
     started = time.monotonic()
     try:
@@ -50,11 +51,25 @@ def frontend(server):
                 pass
             assert time.monotonic() < deadline, "openai_frontend not healthy in 90 s"
             time.sleep(0.3)
-        print(f"openai_frontend healthy {time.monotonic() - started:.1f} s after start")
+    except BaseException:
+        stop_frontend(process)
+        raise
+    print(f"openai_frontend healthy {time.monotonic() - started:.1f} s after start")
+    return process, url
+
+
+def stop_frontend(process):
+    process.terminate()
+    process.wait(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def frontend(server):
+    process, url = start_frontend(server, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    try:
         yield url
     finally:
-        process.terminate()
-        process.wait(timeout=20)
+        stop_frontend(process)
 
 
 @pytest.fixture(scope="module")
@@ -186,9 +201,10 @@ def test_errors_are_openai_errors_and_the_service_stays_up(frontend, client):
     assert "temperature" in bad.value.body["message"]
     with pytest.raises(openai.BadRequestError):  # refused before the stream starts
         client.chat.completions.create(model=SERVED, messages=MESSAGES, stream=True, top_p=5)
-    with pytest.raises(openai.BadRequestError) as bad:
-        client.completions.create(model=SERVED, prompt=PROMPT, extra_body={"max_token": 3})
-    assert bad.value.param == "max_token"
+    # An unknown field is ignored (as vLLM), so the request runs with the known ones.
+    ignored = client.completions.create(model=SERVED, prompt=PROMPT, max_tokens=3,
+                                        extra_body={"max_token": 1, "x_agent_trace": {"id": 1}})
+    assert ignored.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError) as bad:  # the engine's max_logprobs is 20
         client.completions.create(model=SERVED, prompt=PROMPT, logprobs=50)
     assert bad.value.param == "logprobs"
@@ -236,3 +252,144 @@ def test_client_disconnect_cancels_the_triton_request(server, frontend):
         time.sleep(0.2)
     # All 16 sequences to the end would be 7,680 tokens.
     assert llm_metric("vllm:generation_tokens_total") - before < 16 * 480 / 2
+
+
+# ---- tools, /metrics, /tokenize, --api-key ---------------------------------------------
+
+# Bounded values, so the random tiny model's constrained output ends within max_tokens.
+WEATHER = {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]},
+                                            "rain": {"type": "boolean"}},
+           "required": ["unit", "rain"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather now",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"utc": {"type": "boolean"}}, "required": ["utc"],
+             "additionalProperties": False}}}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def tools_prompt(server):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
+    return tokenizer.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def streamed_calls(chunks):
+    """The tool calls of a stream, put together as the client's deltas say."""
+    calls = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = call["id"] or delta.id
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def test_named_tool_choice_calls_that_function(server, client, tools_prompt):
+    import jsonschema
+
+    texts, reasons, _, _, _ = triton(server, tools_prompt, temperature=0, max_tokens=60,
+                                     structured_outputs={"json": WEATHER})
+    got = client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS,
+                                         tool_choice=NAMED, max_tokens=60, temperature=0)
+    choice = got.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert call.id.startswith("chatcmpl-tool-") and choice.message.content == ""
+    assert call.function.arguments == texts[0]  # the constrained text is the arguments
+    assert choice.finish_reason == reasons[0] == "stop"  # vLLM: a named call stops with "stop"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    stream = list(client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice=NAMED, max_tokens=60, temperature=0,
+                                                 stream=True))
+    (streamed,) = streamed_calls(stream)
+    assert (streamed["name"], streamed["arguments"]) == ("get_weather", texts[0])
+    assert streamed["id"].startswith("chatcmpl-tool-")
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "stop"
+
+
+def test_required_tool_choice_gives_tool_calls(server, client, tools_prompt):
+    import jsonschema
+
+    from openai_frontend.tool_calls import required_schema
+
+    schema = required_schema(TOOLS, parallel_tool_calls=False)
+    texts, reasons, _, _, _ = triton(server, tools_prompt, temperature=0, max_tokens=80,
+                                     structured_outputs={"json": schema})
+    assert reasons[0] == "stop", texts
+    expected = json.loads(texts[0])
+    got = client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS,
+                                         tool_choice="required", parallel_tool_calls=False,
+                                         max_tokens=80, temperature=0)
+    choice = got.choices[0]
+    assert choice.finish_reason == "tool_calls"  # vLLM: "required" that stopped
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] \
+        == [(e["name"], e["parameters"]) for e in expected]
+    for call in choice.message.tool_calls:
+        parameters = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), parameters)
+    stream = list(client.chat.completions.create(model=SERVED, messages=MESSAGES, tools=TOOLS,
+                                                 tool_choice="required", parallel_tool_calls=False,
+                                                 max_tokens=80, temperature=0, stream=True))
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls(stream)] \
+        == [(e["name"], e["parameters"]) for e in expected]
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
+
+
+def test_auto_tool_choice_parses_hermes_calls(server, client, tools_prompt):
+    # The random tiny model writes hermes' format only when made to: a regex constraint
+    # (structured outputs stay allowed with tool_choice auto, as in vLLM).
+    regex = r'Ok\. <tool_call>\{"name": "get_time", "arguments": \{"utc": (true|false)\}\}</tool_call>'
+    texts, reasons, _, _, _ = triton(server, tools_prompt, temperature=0, max_tokens=60,
+                                     skip_special_tokens=False, structured_outputs={"regex": regex})
+    assert reasons[0] == "stop", texts
+    kwargs = dict(model=SERVED, messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=0,
+                  extra_body={"structured_outputs": {"regex": regex}})
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Ok. "
+    (call,) = choice.message.tool_calls
+    arguments = texts[0].split('"arguments": ')[1].removesuffix("}</tool_call>")
+    assert (call.function.name, json.loads(call.function.arguments)) == ("get_time", json.loads(arguments))
+    stream = list(client.chat.completions.create(stream=True, **kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Ok. "
+    (streamed,) = streamed_calls(stream)
+    assert (streamed["name"], json.loads(streamed["arguments"])) == ("get_time", json.loads(arguments))
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "tool_calls"
+
+
+def test_metrics_on_the_routes_port_are_tritons(server, frontend):
+    ours = requests.get(f"{frontend}/metrics", timeout=10)
+    assert ours.status_code == 200 and ours.headers["content-type"].startswith("text/plain")
+    families = {line.split()[2] for line in ours.text.splitlines() if line.startswith("# TYPE ")}
+    theirs = requests.get(server.metrics, timeout=10).text
+    assert families == {line.split()[2] for line in theirs.splitlines() if line.startswith("# TYPE ")}
+    assert "vllm:num_requests_running" in families
+
+
+def test_tokenize_counts_what_the_llm_model_counts(server, frontend):
+    _, _, prompt_tokens, _, _ = triton(server, PROMPT, temperature=0, max_tokens=1)
+    r = requests.post(f"{frontend}/tokenize", json={"model": SERVED, "prompt": PROMPT}, timeout=10).json()
+    assert r["count"] == len(r["tokens"]) == prompt_tokens
+    assert r["max_model_len"] == 512  # the `llm` model's config parameter
+    back = requests.post(f"{frontend}/detokenize", json={"tokens": r["tokens"]}, timeout=10).json()
+    assert PROMPT in back["prompt"]
+    assert requests.get(f"{frontend}/version", timeout=10).json() == {"version": "0.1.0"}
+
+
+def test_api_key_from_the_env_var(server):
+    import os
+
+    process, url = start_frontend(server, env={**os.environ, "VLLM_API_KEY": "s3cret"})
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        keyed = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert keyed.completions.create(model=SERVED, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        assert requests.get(f"{url}/health", timeout=5).status_code == 200  # not guarded, as vLLM
+    finally:
+        stop_frontend(process)

@@ -66,8 +66,6 @@ def test_chat_limits_and_logprobs():
     assert chat(logprobs=True, top_logprobs=4).sampling["logprobs"] == 4
     assert "logprobs" not in chat().sampling and not chat().logprobs
     refused(lambda: chat(top_logprobs=2), "top_logprobs")
-    refused(lambda: chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools")
-    refused(lambda: chat(tool_choice="required"), "tool_choice")
     assert chat(tool_choice="none").sampling == {"max_tokens": None}
 
 
@@ -91,9 +89,18 @@ def test_stream_options():
     refused(lambda: completion(stream_options={"include_usage": True}), "stream_options")
 
 
-def test_unknown_and_unsupported_fields_are_refused():
-    with pytest.raises(ValidationError, match="max_token"):
-        CompletionRequest(model="m", prompt="x", max_token=3)
+def test_unknown_fields_are_ignored_with_a_warning_and_bad_values_refused(caplog):
+    # As vLLM's OpenAIBaseModel: SDKs and agents add fields of their own.
+    with caplog.at_level("WARNING", logger="openai_frontend"):
+        req = CompletionRequest(model="m", prompt="x", max_token=3, stream_options=None,
+                                response_format={"type": "text", "x_vendor": 1})
+    assert completion_request(req).sampling == {} and not hasattr(req, "max_token")
+    assert "max_token" in caplog.text and "x_vendor" in caplog.text
+    chat_req = ChatCompletionRequest(model="m", messages=USER, reasoning_effort="low")
+    assert "reasoning_effort" not in chat_request(chat_req, "P").sampling
+    # A known field with a bad value is still refused, naming it.
+    with pytest.raises(ValidationError, match="temperature"):
+        CompletionRequest(model="m", prompt="x", temperature="hot")
     refused(lambda: completion(logit_bias={"1": 5.0}), "logit_bias")
     # Fields with no effect on a self-hosted model are accepted, and not forwarded.
     assert completion(user="u", store=False, metadata={"k": "v"}).sampling == {}

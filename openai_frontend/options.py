@@ -1,0 +1,19 @@
+"""The route's settings beyond where Triton is: one dataclass, built by __main__ from
+its flags and handed to create_app."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from openai_frontend.tool_calls import ToolCallConfig
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendOptions:
+    # --api-key / VLLM_API_KEY; empty: no authentication.
+    api_keys: tuple[str, ...] = ()
+    tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
+    # Triton's metrics endpoint, re-exported at /metrics; None: no /metrics route.
+    triton_metrics_url: str | None = None
+    # For /tokenize's max_model_len; None: the `llm` model's config parameter, then
+    # the tokenizer folder's config.json.
+    max_model_len: int | None = None
