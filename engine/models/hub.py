@@ -30,7 +30,7 @@ def hub_snapshot(repo_id: str, what: str = "model") -> Path:
     """The local folder of `repo_id`'s snapshot. Raises ValueError naming the id when it
     is neither cached nor downloadable."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.utils import LocalEntryNotFoundError
 
     try:
         return Path(snapshot_download(repo_id, local_files_only=True))
