@@ -24,8 +24,11 @@ class LLMModel(EngineModel):
         # Tokenized here, on Triton's execute thread, not on the engine thread where every
         # stream would wait for it. The fast tokenizer releases the GIL while it encodes
         # (a spinning Python thread kept running through a 600 KB encode here). The same
-        # call as LLMEngine.add_request makes for a text prompt.
-        prompt_ids = self.tokenizer.encode(parsed.prompt)
+        # call as LLMEngine.add_request makes for a text prompt; a rendered chat prompt
+        # (add_special_tokens false, as the OpenAI route sends) is taken as it is, as vLLM
+        # takes it: its template wrote the BOS already.
+        prompt_ids = self.tokenizer.encode(parsed.prompt,
+                                           add_special_tokens=parsed.add_special_tokens)
         # Likewise the grammar (tens of ms cold): the engine thread then finds it cached.
         compile_structured_output(self.engine.grammar_compiler, parsed.params)
         builder = LLMResponseBuilder(parsed, decode_token=self._decode_token)

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from backend.request_parsing import LLMRequest
-from engine.outputs import RequestOutput
+from engine.outputs import Logprob, RequestOutput
 
 
 @dataclass(slots=True)
@@ -48,12 +48,14 @@ class LLMResponseBuilder:
                                            dtype=np.object_)
         return tensors
 
-    def _logprobs_json(self, logprobs: list[dict[int, float]] | None) -> bytes:
+    def _logprobs_json(self, logprobs: list[dict[int, Logprob]] | None) -> bytes:
+        """vllm_backend's items: {"<token id>": {"logprob", "rank", "decoded_token"}} per
+        position, sampled token first."""
         payload = []
         for position in logprobs or []:
             item = {}
-            for token_id, logprob in position.items():
-                info = {"logprob": float(logprob)}
+            for token_id, entry in position.items():
+                info = {"logprob": float(entry.logprob), "rank": entry.rank}
                 if self.decode_token is not None:
                     info["decoded_token"] = self.decode_token(int(token_id))
                 item[str(int(token_id))] = info

@@ -40,6 +40,9 @@ _SWITCHES = ("stream", "exclude_input_in_output", "return_finish_reason",
 # vllm_backend's key since late 2025 and the older one (Triton's OpenAI frontend still
 # sends it for tool_choice); the same object under either, or its JSON text.
 _STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
+# Tokenization, not sampling, but sent where vLLM clients put per-request options
+# (vLLM's completion and chat requests carry it beside the sampling fields).
+_ADD_SPECIAL_TOKENS = "add_special_tokens"
 
 
 @dataclass(slots=True)
@@ -60,6 +63,9 @@ class LLMRequest:
     returns: ReturnFlags
     # Under policy=priority, lower is served first (vLLM's convention); 0 by default.
     priority: int = 0
+    # vLLM's switch of the same name: a text prompt gets the tokenizer's special tokens
+    # (BOS), a rendered chat prompt already holds them (vLLM's chat default is False).
+    add_special_tokens: bool = True
 
 
 def stream_output_kind(stream: bool) -> RequestOutputKind:
@@ -191,6 +197,10 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     raw_prompt = scalar("text_input", inputs.get("text_input"))
     if raw_prompt is None:
         raise InvalidRequest("missing required input 'text_input'")
+    images = inputs.get("image")
+    if images is not None and np.size(images) > 0:
+        # vllm_backend passes these to a multimodal model; an empty tensor means none there too.
+        raise InvalidRequest("this model takes text only: the 'image' input is not supported")
     prompt = decode_text("text_input", raw_prompt)
 
     req_params = load_json_object("request parameters", request_parameters)
@@ -209,7 +219,8 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     priority = parse_priority(sampling["priority"]) if "priority" in sampling else 0
     if (value := scalar("priority", inputs.get("priority"))) is not None:
         priority = parse_priority(value)
-    params = parse_sampling_parameters(sampling, ignore=(*_SWITCHES, "priority"))
+    add_special = to_bool(_ADD_SPECIAL_TOKENS, sampling.get(_ADD_SPECIAL_TOKENS, True))
+    params = parse_sampling_parameters(sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS))
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)
@@ -222,4 +233,4 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:
         # Logprobs of the sampled token cost nothing extra; asking for them is implied.
         params.logprobs = 0
-    return LLMRequest(prompt, params, stream, exclude, returns, priority)
+    return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special)

@@ -1,52 +1,10 @@
 """The model class of the `tle` backend (backend/triton_backend/model.py): the `llm`
-model, plus auto_complete_config, which fills in vllm_backend's interface so that a
-config.pbtxt as short as vllm_backend's sample (the backend line and an instance_group)
-loads as it is.
-
-Tensors the config.pbtxt already declares are kept, as vllm_backend keeps them; Triton's
-auto-complete refuses one whose type or dims differ from these."""
+model, plus auto_complete_config (backend/llm_config.py), which fills in vllm_backend's
+interface."""
 from __future__ import annotations
 
-from typing import Any
-
+from backend.llm_config import complete_llm_config
 from backend.llm_model import LLMModel
-
-# vllm_backend's tensors (its `image` and `embedding_request` inputs excepted: text-only,
-# generation-only engine), plus `priority`, which vllm_backend takes in its JSON only.
-LLM_INPUTS = [
-    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
-    *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True}
-      for name in ("stream", "exclude_input_in_output", "return_finish_reason",
-                   "return_num_input_tokens", "return_num_output_tokens",
-                   "return_cumulative_logprob", "return_logprobs")),
-    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
-    {"name": "priority", "data_type": "TYPE_INT32", "dims": [1], "optional": True},
-]
-LLM_OUTPUTS = [
-    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
-    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
-    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
-    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
-    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
-]
-
-
-def complete_llm_config(config: Any) -> Any:
-    """`config` is the python backend's pb_utils.ModelConfig for this model."""
-    declared = config.as_dict()
-    inputs = {entry["name"] for entry in declared.get("input", [])}
-    outputs = {entry["name"] for entry in declared.get("output", [])}
-    for spec in LLM_INPUTS:
-        if spec["name"] not in inputs:
-            config.add_input(spec)
-    for spec in LLM_OUTPUTS:
-        if spec["name"] not in outputs:
-            config.add_output(spec)
-    # Responses stream out as the engine produces them, and the engine batches itself.
-    config.set_model_transaction_policy({"decoupled": True})
-    config.set_max_batch_size(0)
-    return config
 
 
 class TleModel(LLMModel):

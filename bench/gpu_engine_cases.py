@@ -151,7 +151,9 @@ class GreedyJob:
             how += f", {compiled_variants() - compiled} Triton compiles after warm-up"
         del llm, runner
         _free_memory()
-        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outputs], how
+        return [(list(o.outputs[0].token_ids),
+                 [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                for o in outputs], how
 
 
 # ---------------------------------------------------------------- throughput

@@ -8,14 +8,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True)
+class Logprob:
+    """One token's entry at one position (vLLM's vllm/logprobs.py Logprob). rank: 1-based
+    among the whole vocabulary's logprobs at that step, as vLLM counts it (the tokens whose
+    logprob is >= this one's); the top-k alternatives are ranked 1..k in order."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass(slots=True)
 class CompletionOutput:
     index: int
     # CUMULATIVE and FINAL_ONLY: the output so far; DELTA: what is new, as the delta_* fields.
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None = None
-    # One dict per generated token: {token_id: logprob}, sampled token first.
-    logprobs: list[dict[int, float]] | None = None
+    # One dict per generated token: {token_id: Logprob}, sampled token first.
+    logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     # vLLM's meaning: the stop string, the stop_token_ids entry (None for EOS), or here
     # also the stop_token_sequences entry that ended the output.
@@ -28,7 +38,7 @@ class CompletionOutput:
     # one output holds the whole output here too.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: list[dict[int, float]] | None = None
+    delta_logprobs: list[dict[int, Logprob]] | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

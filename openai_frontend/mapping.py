@@ -79,6 +79,8 @@ def chat_request(req: ChatCompletionRequest, prompt: str,
     sampling["max_tokens"] = limit
     if req.logprobs:
         sampling["logprobs"] = req.top_logprobs or 0
+    # vLLM's chat default: the template already wrote the special tokens (the BOS).
+    sampling["add_special_tokens"] = False
     return _triton_request(req, [prompt], sampling, req.logprobs)
 
 

@@ -10,6 +10,7 @@ from engine.core.stop_checker import check_stop
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.output_processor import OutputProcessor
 from engine.output.parallel_sampling import fan_out
+from engine.outputs import Logprob
 from engine.sampling_params import SamplingParams
 
 EOS = 2  # the SmolLM2 tokenizer's
@@ -20,11 +21,13 @@ TOP = 0  # the top-1 alternative the driver reports with every token (never in a
 class _Logprobs:  # the runner's TokenLogprobs
     sampled: float
     top: dict[int, float]
+    rank: int
 
 
-def scripted_logprobs(token_ids: list[int]) -> list[dict[int, float]]:
-    """What the driver samples with each token: its own logprob first, then a top-1."""
-    return [{t: -0.001 * t, TOP: -9.0} for t in token_ids]
+def scripted_logprobs(token_ids: list[int]) -> list[dict[int, Logprob]]:
+    """What the driver samples with each token: its own logprob first (ranked 2nd), then
+    a top-1."""
+    return [{t: Logprob(-0.001 * t, 2), TOP: Logprob(-9.0, 1)} for t in token_ids]
 
 
 class Driver:
@@ -65,7 +68,7 @@ class Driver:
                 request.finished_on_stop_token = stop.on_stop_token
                 self.running.remove(request)
             updated.append(request)
-            logprobs[request.request_id] = _Logprobs(-0.001 * token, {TOP: -9.0})
+            logprobs[request.request_id] = _Logprobs(-0.001 * token, {TOP: -9.0}, 2)
         return self.processor.process(updated, logprobs)
 
     def run(self) -> list[tuple[int, object]]:

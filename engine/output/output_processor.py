@@ -25,12 +25,22 @@ from typing import Any, Iterable, Mapping
 
 from engine.core.request import Request
 from engine.output.parallel_sampling import ParallelSampling
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 CUMULATIVE = RequestOutputKind.CUMULATIVE
 DELTA = RequestOutputKind.DELTA
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+def position_logprobs(token_id: int, lp: Any) -> dict[int, Logprob]:
+    """One position's entries from the runner's TokenLogprobs, as vLLM lays them out: the
+    sampled token first with its own rank, then the top-k ranked 1..k (the sampled one,
+    when among them, keeps its place and takes its top-k rank, the same number)."""
+    entries = {token_id: Logprob(lp.sampled, lp.rank)}
+    for rank, (top_id, value) in enumerate(lp.top.items(), start=1):
+        entries[top_id] = Logprob(value, rank)
+    return entries
 
 
 @dataclass(slots=True)
@@ -110,7 +120,7 @@ class OutputProcessor:
             lp = logprobs.get(rid)
             if lp is not None and seq.logprobs is not None:
                 seq.cumulative_logprob += lp.sampled
-                seq.logprobs.append({request.all_token_ids[-1]: lp.sampled, **lp.top})
+                seq.logprobs.append(position_logprobs(request.all_token_ids[-1], lp))
             seq.client.sampled(now)
             if request.is_finished:
                 del self._sequences[rid]

@@ -22,6 +22,9 @@ class SamplerOutput:
     # k = the largest `logprobs` asked for in the batch; None when no row asks or k == 0.
     topk_token_ids: torch.Tensor | None  # [N, k] int64
     topk_logprobs: torch.Tensor | None  # [N, k] float32
+    # The sampled token's 1-based rank over the vocabulary (vLLM's: how many logprobs are
+    # >= its own); None with sampled_logprobs.
+    sampled_ranks: torch.Tensor | None = None  # [N] int64
 
 
 class SamplingError(RuntimeError):
@@ -236,7 +239,8 @@ def _with_logprobs(sampled: torch.Tensor, logprobs: torch.Tensor | None,
     if logprobs is None:
         return SamplerOutput(sampled, None, None, None)
     sampled_lp = logprobs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs >= sampled_lp.unsqueeze(1)).sum(dim=-1)
     if not k:
-        return SamplerOutput(sampled, sampled_lp, None, None)
+        return SamplerOutput(sampled, sampled_lp, None, None, ranks)
     top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
-    return SamplerOutput(sampled, sampled_lp, top.indices, top.values)
+    return SamplerOutput(sampled, sampled_lp, top.indices, top.values, ranks)

@@ -21,7 +21,8 @@ from kernels import dispatch
 @dataclass(slots=True)
 class TokenLogprobs:
     sampled: float
-    top: dict[int, float]  # top-k alternatives (may include the sampled one)
+    top: dict[int, float]  # top-k alternatives, best first (may include the sampled one)
+    rank: int = 1  # the sampled token's, over the vocabulary
 
 
 @dataclass(slots=True)
@@ -109,6 +110,7 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {}
         if result.sampled_logprobs is not None:
             chosen = result.sampled_logprobs.tolist()
+            ranks = result.sampled_ranks.tolist()
             top_ids = result.topk_token_ids.tolist() if result.topk_token_ids is not None else None
             top_vals = result.topk_logprobs.tolist() if result.topk_logprobs is not None else None
             for row, request in enumerate(sample_reqs):
@@ -116,7 +118,7 @@ class ModelRunner:
                 if k is None:
                     continue
                 top = dict(zip(top_ids[row][:k], top_vals[row][:k])) if top_ids and k else {}
-                logprobs[request.request_id] = TokenLogprobs(chosen[row], top)
+                logprobs[request.request_id] = TokenLogprobs(chosen[row], top, ranks[row])
         return RunnerOutput(sampled, logprobs)
 
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ import pytest
 from backend.llm_responses import LLMResponseBuilder
 from backend.request_parsing import (InvalidRequest, LLMRequest, ReturnFlags, parse_llm_request,
                                      parse_sampling_parameters)
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 ALL_RETURNS = ReturnFlags(finish_reason=True, num_input_tokens=True, num_output_tokens=True,
@@ -20,7 +20,7 @@ ALL_RETURNS = ReturnFlags(finish_reason=True, num_input_tokens=True, num_output_
 def completion(index, text, token_ids, reason=None):
     """A DELTA completion (what is new) or a FINAL_ONLY one (everything): the responses
     translate text / token_ids / logprobs either way."""
-    logprobs = [{t: -0.5} for t in token_ids]
+    logprobs = [{t: Logprob(-0.5, 1)} for t in token_ids]
     return CompletionOutput(index, text, list(token_ids), cumulative_logprob=-0.5 * len(token_ids),
                             logprobs=logprobs, finish_reason=reason, delta_text=text,
                             delta_token_ids=list(token_ids), delta_logprobs=logprobs)
@@ -66,8 +66,8 @@ def test_streaming_response_carries_each_sequences_delta_in_its_entry():
     assert step["text_output"].tolist() == [b"a", b""]
     assert step["num_output_tokens"].tolist() == [2, 0]
     assert step["finish_reason"].tolist() == [b"None", b"None"]
-    assert [json.loads(x) for x in step["logprobs"]] == [[{"10": {"logprob": -0.5}},
-                                                          {"11": {"logprob": -0.5}}], []]
+    assert [json.loads(x) for x in step["logprobs"]] == [[{"10": {"logprob": -0.5, "rank": 1}},
+                                                          {"11": {"logprob": -0.5, "rank": 1}}], []]
     # The last response is FINAL even when no sequence has new text.
     last = builder.build(output([completion(0, "", [], reason="length"),
                                  completion(1, "", [2], reason="stop")], True))

@@ -190,3 +190,12 @@ def test_an_invalid_schema_is_invalid_arg_before_the_engine():
             compile_structured_output(compiler, params)
     compile_structured_output(compiler, parse_sampling_parameters({"max_tokens": 3}))
     compile_structured_output(compiler, parse_sampling_parameters({"guided_decoding": {"json": SCHEMA}}))
+
+
+def test_an_image_is_refused_as_text_only_and_an_empty_one_is_none():
+    inputs = {**tensors(), "image": np.array([b"aGVsbG8="], dtype=np.object_)}
+    with pytest.raises(InvalidRequest, match="text only.*'image'"):
+        parse_llm_request(inputs)
+    # vllm_backend sends no multi_modal_data for an empty tensor; nor is it an error here.
+    empty = {**tensors(), "image": np.array([], dtype=np.object_)}
+    assert parse_llm_request(empty).prompt == "hi"

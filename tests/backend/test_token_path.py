@@ -11,7 +11,7 @@ from backend.request_parsing import InvalidRequest, LLMRequest, ReturnFlags, par
 from backend.token_request_parsing import parse_token_request, words_from_trtllm_list
 from backend.token_responses import TokenResponseBuilder, decode_after, decode_ids
 from engine.output.detokenizer import IncrementalDetokenizer
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from testing.output_driver import Driver
 
@@ -129,7 +129,7 @@ def test_llm_stream_responses_carry_the_engines_deltas():
     request = LLMRequest("Hi", SamplingParams(), True, True, ReturnFlags(num_output_tokens=True,
                                                                         finish_reason=True, logprobs=True))
     builder = LLMResponseBuilder(request)
-    lp = [{10: -0.5}, {11: -0.25}, {12: -1.0}]
+    lp = [{10: Logprob(-0.5, 1)}, {11: Logprob(-0.25, 1)}, {12: Logprob(-1.0, 3), 13: Logprob(-0.5, 1)}]
     # Token 10 was held back (mid-character) and came out with 11's text.
     first = builder.build(llm_output("ab", [10, 11], False, logprobs=lp[:2]))
     assert first["text_output"][0] == b"ab"
@@ -138,7 +138,8 @@ def test_llm_stream_responses_carry_the_engines_deltas():
     # The final output adds no text (EOS): still a response, the last.
     last = builder.build(llm_output("", [12], True, "stop", logprobs=lp[2:]))
     assert last["text_output"][0] == b"" and int(last["num_output_tokens"][0]) == 1
-    assert last["finish_reason"][0] == b"stop" and json.loads(last["logprobs"][0]) == [{"12": {"logprob": -1.0}}]
+    assert last["finish_reason"][0] == b"stop" and json.loads(last["logprobs"][0]) == [
+        {"12": {"logprob": -1.0, "rank": 3}, "13": {"logprob": -0.5, "rank": 1}}]
 
 
 def test_llm_non_streaming_prepends_prompt_unless_excluded():

@@ -2,13 +2,15 @@
 
 Core resources against Kubernetes' own OpenAPI schema (kubernetes-validate, strict: an
 unknown field is an error); the InferencePool and llm-d's EndpointPickerConfig against
-the JSON schemas in tests/deploy/schemas, written from their CRD / Go types. Then the
+the JSON schemas in tests/deploy/schemas, written from their CRD / Go types (the picker's
+from llm-d-router's source at the tag its image runs, named in the schema). Then the
 cross-checks no schema can make: the ports, probe paths, metric names, module and
 KV-event wiring in the YAML against what this repository really serves."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
 import shutil
@@ -236,26 +238,108 @@ def test_inference_pool_schema_refuses_what_the_crd_refuses(breakage):
     assert not POOL_SCHEMA.is_valid(broken)
 
 
+# llm-d-router's source the picker's schema and flags were read from (x-source in each
+# file names the tag, commit and Go files); epp.yaml must run that tag's image.
+PICKER_SOURCE = EPP_SCHEMA.schema["x-source"]
+PICKER_FLAGS = json.loads((SCHEMAS / "endpoint-picker-flags.json").read_text())
+
+
 def test_epp_config_matches_the_endpoint_picker_config_type():
     EPP_SCHEMA.validate(EPP_CONFIG)
     # The current group; inference.networking.x-k8s.io is accepted only as deprecated.
     assert EPP_CONFIG["apiVersion"] == "llm-d.ai/v1alpha1"
 
 
+def test_picker_image_is_the_release_the_schema_was_read_from():
+    assert PICKER_SOURCE["repository"] == "llm-d/llm-d-router"
+    assert PICKER_SOURCE["tag"] == "v0.9.0" == PICKER_FLAGS["x-source"]["tag"]
+    assert "apix/config/v1alpha1/endpointpickerconfig_types.go" in PICKER_SOURCE["files"]
+    image, tag = EPP_CONTAINER["image"].rsplit(":", 1)
+    assert image == "ghcr.io/llm-d/llm-d-router-endpoint-picker"
+    assert tag == PICKER_SOURCE["tag"], "the picker image is not the release the schema pins"
+    readme = (REPO / "README.md").read_text()
+    assert f"llm-d-router {PICKER_SOURCE['tag']}" in readme
+    for cont in EPP["spec"]["template"]["spec"]["containers"]:
+        assert not cont["image"].endswith((":dev", ":latest", ":main")), cont["image"]
+
+
+def test_picker_flags_exist_at_the_pinned_tag():
+    names = [a[2:].split("=", 1)[0] for a in EPP_CONTAINER["args"] if a.startswith("--")]
+    unknown = set(names) - set(PICKER_FLAGS["flags"])
+    assert not unknown, f"flags the picker at {PICKER_SOURCE['tag']} does not register: {unknown}"
+    assert not set(names) & set(PICKER_FLAGS["refused"])
+    # The one deprecated flag kept: at this tag metrics-data-source has no port to say
+    # where the metrics are instead.
+    assert set(names) & set(PICKER_FLAGS["deprecated"]) == {"model-server-metrics-port"}
+    assert "port" not in EPP_SCHEMA.schema["$defs"]["metricsDatasourceParams"]["properties"]
+
+
+def _plugin_entry(config: dict, plugin_type: str) -> dict:
+    return next(p for p in config["plugins"] if p["type"] == plugin_type)
+
+
 @pytest.mark.parametrize("breakage", [
     lambda c: c.pop("schedulingProfiles"),
     lambda c: c["plugins"].append({"name": "no-type"}),
     lambda c: c.update(profiles=[]),
-    lambda c: next(p for p in c["plugins"] if p["type"] == "precise-prefix-cache-scorer")
-    ["parameters"]["kvEventsConfig"].update(socketPort=5557),
-    lambda c: next(p for p in c["plugins"] if p["type"] == "core-metrics-extractor")
-    ["parameters"]["engineConfigs"][0].update(kvCacheUsageSpec="x"),
+    lambda c: plugin(c, "precise-prefix-cache-producer")["kvEventsConfig"].update(socketPort=5557),
+    lambda c: plugin(c, "core-metrics-extractor")["engineConfigs"][0].update(kvCacheUsageSpec="x"),
+    # The spelling before May 2026, refused since the rename to vllm.url.
+    lambda c: plugin(c, "token-producer").update(vllm={"http": "http://localhost:8200"}),
+    lambda c: plugin(c, "token-producer").pop("modelName"),
+    lambda c: plugin(c, "token-producer").update(estimate={}),
+    # No port parameter on the metrics source at this tag.
+    lambda c: plugin(c, "metrics-data-source").update(port=8002),
+    lambda c: plugin(c, "precise-prefix-cache-producer")["indexerConfig"].update(
+        tokenizersPoolConfig={}),
+    lambda c: plugin(c, "prefix-cache-scorer").update(producerName="x"),
+    lambda c: plugin(c, "precise-prefix-cache-producer")["tokenProcessorConfig"].update(
+        blockSizeTokens="16"),
 ], ids=["no-profiles", "plugin-without-type", "unknown-top-level-field",
-        "socketPort-outside-podDiscoveryConfig", "misspelt-metric-key"])
-def test_epp_schema_refuses_misplaced_and_misspelt_fields(breakage):
+        "socketPort-outside-podDiscoveryConfig", "misspelt-metric-key", "vllm-http-key",
+        "vllm-without-modelName", "two-tokenizer-backends", "metrics-port-parameter",
+        "tokenizers-pool-in-producer", "unknown-scorer-parameter", "string-for-int"])
+def test_epp_schema_refuses_what_the_picker_refuses(breakage):
     broken = json.loads(json.dumps(EPP_CONFIG))
     breakage(broken)
     assert not EPP_SCHEMA.is_valid(broken)
+
+
+def test_epp_schema_leaves_ignored_parameters_open():
+    # Factories declared `_ *json.Decoder` never read their parameters.
+    config = json.loads(json.dumps(EPP_CONFIG))
+    _plugin_entry(config, "queue-scorer")["parameters"] = {"anything": 1}
+    EPP_SCHEMA.validate(config)
+
+
+def test_epp_schema_accepts_the_picker_repositorys_own_examples():
+    """The sample configs in llm-d-router's deploy/config at the pinned tag, read from a
+    clone of it (LLM_D_ROUTER_GIT: its git directory), pass the schema."""
+    git_dir = os.environ.get("LLM_D_ROUTER_GIT")
+    if not git_dir:
+        pytest.skip("LLM_D_ROUTER_GIT (a clone of llm-d-router) not set")
+    tag = PICKER_SOURCE["tag"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "--git-dir", git_dir, *args], check=True,
+                              capture_output=True, text=True, timeout=60).stdout
+
+    assert git("rev-parse", f"{tag}^{{commit}}").strip() == PICKER_SOURCE["commit"]
+    names = [n for n in git("ls-tree", "--name-only", f"{tag}:deploy/config").split()
+             if n.endswith(".yaml")]
+    assert names
+    refused = {}
+    for name in names:
+        for doc in yaml.safe_load_all(git("show", f"{tag}:deploy/config/{name}")):
+            if doc and doc.get("kind") == "EndpointPickerConfig":
+                refused.update({name: {key for e in EPP_SCHEMA.iter_errors(doc)
+                                       for key in re.findall(r"'(\w+)' was unexpected", e.message)
+                                       or [e.message]}})
+    # One sample at the tag is stale: llm-d-kv-cache's indexer config lost
+    # tokenProcessorConfig after v0.7 and never had maxPrefixBlocksToMatch, so the
+    # producer's strict decoder refuses it as this schema does.
+    stale = {"sim-epp-no-hit-lru.yaml": {"tokenProcessorConfig", "maxPrefixBlocksToMatch"}}
+    assert {n: keys for n, keys in refused.items() if keys} == stale
 
 
 def test_epp_config_references_resolve():
@@ -456,6 +540,7 @@ def exported_cache_info_labels() -> dict[str, str]:
 
 
 def test_picker_scrapes_triton_metrics_port_not_the_target_port():
+    # At v0.9.0 the flag is how (test_picker_flags_exist_at_the_pinned_tag).
     assert int(flag(EPP_CONTAINER["args"], "model-server-metrics-port")) == port_of(TRITON, "metrics")
     # The picker honours that flag only for single-port pools.
     assert len(POOL["spec"]["targetPorts"]) == 1
@@ -478,7 +563,7 @@ def test_model_json_publishes_kv_events_where_the_picker_listens(tmp_path):
     assert bound_port(events["endpoint"]) == port_of(TRITON, "kv-events")
     assert bound_port(events["replay_endpoint"]) == port_of(TRITON, "kv-replay")
 
-    scorer = plugin(EPP_CONFIG, "precise-prefix-cache-scorer")
+    scorer = plugin(EPP_CONFIG, "precise-prefix-cache-producer")
     kv = scorer["kvEventsConfig"]
     assert kv["discoverPods"] is True and "zmqEndpoint" not in kv
     assert kv["podDiscoveryConfig"]["socketPort"] == bound_port(events["endpoint"])
@@ -487,7 +572,11 @@ def test_model_json_publishes_kv_events_where_the_picker_listens(tmp_path):
     assert events["topic"].startswith(kv["topicFilter"])
     assert events["topic"] == f"kv@{SAMPLE_POD_IP}:{POOL['spec']['targetPorts'][0]['number']}@{SERVED_MODEL}"
     block_size = rendered.get("block_size", CacheConfig().block_size)
-    assert scorer["tokenProcessorConfig"]["blockSize"] == block_size
+    assert scorer["tokenProcessorConfig"]["blockSizeTokens"] == block_size
+    # The scorer reads what that producer finds.
+    assert plugin(EPP_CONFIG, "prefix-cache-scorer")["prefixMatchInfoProducerName"] == \
+        _plugin_entry(EPP_CONFIG, "precise-prefix-cache-producer").get("name",
+                                                                      "precise-prefix-cache-producer")
 
 
 def test_rendered_model_json_replaces_the_images_copy(tmp_path):
@@ -523,7 +612,7 @@ def test_memory_request_covers_the_kv_pool(tmp_path):
 def test_token_producer_uses_the_render_sidecar():
     producer = plugin(EPP_CONFIG, "token-producer")
     render = container(EPP["spec"]["template"]["spec"], "vllm-render")
-    port = int(producer["vllm"]["http"].rsplit(":", 1)[1])
+    port = int(producer["vllm"]["url"].rsplit(":", 1)[1])
     assert port == port_of(render, "render")
     assert f"--port={port}" in render["args"]
     assert producer["modelName"] in render["args"]

@@ -9,7 +9,10 @@ to `tle` (its own server, explicit model control, models loaded one test at a ti
 - bad_*: model.json errors fail that model's load naming the key; others still load.
 - pbtxt_wins: a config.pbtxt parameter beats model.json's value, seen in
   vllm:cache_config_info's labels.
-- legacy_llm: a `backend: "python"` folder with 1/model.py, as this project shipped before."""
+- legacy_llm: a `backend: "python"` folder with 1/model.py, as this project shipped before.
+- hub_id: model.json's `model` a Hugging Face id, found in a local HF cache (HF_HUB_CACHE,
+  HF_HUB_OFFLINE) as vllm_backend's sample names one.
+- bos_chat: a tokenizer that adds a BOS its chat template also writes (Llama-3's way)."""
 from __future__ import annotations
 
 import json
@@ -17,6 +20,7 @@ import re
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient
@@ -24,6 +28,8 @@ import tritonclient.grpc as grpcclient
 from backend.triton_server import TritonServer
 from tests.e2e.shared import TINY_ENGINE_ARGS, assert_loads_fail, loaded, running_server
 from tests.e2e.triton_clients import infer_one, llm_inputs
+from testing.bos_tokenizer import make_bos_tokenizer_dir
+from testing.hf_cache import add_to_hf_cache
 
 pytestmark = pytest.mark.slow
 
@@ -66,6 +72,7 @@ instance_group [ { count: 1 kind: KIND_CPU } ]
 LEGACY_MODEL_PY = "from backend.llm_model import LLMModel as TritonPythonModel  # noqa: F401\n"
 SAMPLE_JSON = {"disable_log_requests": True, "gpu_memory_utilization": 0.5, "enforce_eager": True}
 PBTXT_BLOCK_SIZE, PBTXT_BLOCKS = 32, 40
+HUB_ID = "acme/tiny-llama"
 # model name -> (model.json text, fragment the load error must contain)
 BAD = {
     "bad_unknown": ({"max_num_seq": 4}, "'max_num_seq'"),
@@ -108,8 +115,18 @@ def dropin_server(tmp_path_factory, tiny_model_dir):
          "enforce_eager": True, "disable_log_requests": True})
     _model(repo, "legacy_llm", LEGACY_CONFIG + _parameters({"model": tiny, **TINY_ENGINE_ARGS}),
            model_py=LEGACY_MODEL_PY)
-    with running_server(repo, work, timeout=300) as handle:
-        yield handle
+    hub = work / "hf-hub"
+    add_to_hf_cache(hub, HUB_ID, tiny_model_dir)
+    _model(repo, "hub_id", SAMPLE_CONFIG, {"model": HUB_ID, **SAMPLE_JSON})
+    _model(repo, "hub_id_missing", SAMPLE_CONFIG, {"model": "acme/not-cached", **SAMPLE_JSON})
+    _model(repo, "bos_chat", SAMPLE_CONFIG, {"model": tiny, "tokenizer": str(make_bos_tokenizer_dir(
+        work / "bos-tokenizer")), **SAMPLE_JSON})
+    with pytest.MonkeyPatch.context() as env:
+        # The server's environment: huggingface_hub in its model processes reads these.
+        env.setenv("HF_HUB_CACHE", str(hub))
+        env.setenv("HF_HUB_OFFLINE", "1")
+        with running_server(repo, work, timeout=300) as handle:
+            yield handle
 
 
 def _client(server: TritonServer) -> grpcclient.InferenceServerClient:
@@ -145,7 +162,27 @@ def test_sample_folder_loads_auto_completed_and_answers_vllm_backend_clients(dro
         assert int(out["num_output_tokens"].reshape(-1)[0]) == 8
         assert int(out["num_input_tokens"].reshape(-1)[0]) > 0
         assert float(out["cumulative_logprob"].reshape(-1)[0]) <= 0
-        assert len(json.loads(out["logprobs"].reshape(-1)[0])) == 8
+        logprobs = json.loads(out["logprobs"].reshape(-1)[0])
+        assert len(logprobs) == 8
+        # vllm_backend's items; greedy, so each sampled token ranks first.
+        for position in logprobs:
+            (entry,) = position.values()
+            assert set(entry) == {"logprob", "rank", "decoded_token"} and entry["rank"] == 1
+
+        # vllm_backend's optional `image` input: declared, and refused for that request only.
+        assert inputs["image"] == {**inputs["image"], "data_type": "TYPE_STRING", "dims": ["-1"],
+                                   "optional": True}
+        with_image = {**llm_inputs(prompt, sampling),
+                      "image": np.array([b"aGVsbG8="], dtype=np.object_)}
+        refused = infer_one(url, "vllm_model", with_image)
+        assert refused.error is not None and "text only" in refused.error
+        # INVALID_ARG: 400 on HTTP generate, whose JSON keys are the inputs.
+        http_image = requests.post(f"http://{dropin_server.http_url}/v2/models/vllm_model/generate",
+                                   json={"text_input": prompt, "image": ["aGVsbG8="],
+                                         "parameters": sampling}, timeout=60)
+        assert http_image.status_code == 400 and "text only" in http_image.text
+        after = infer_one(url, "vllm_model", llm_inputs(prompt, sampling))
+        assert after.error is None and after.text == full.text
 
         http = requests.post(f"http://{dropin_server.http_url}/v2/models/vllm_model/generate",
                              json={"text_input": prompt, "parameters": sampling}, timeout=60)
@@ -213,3 +250,42 @@ def test_model_py_folders_keep_working(dropin_server):
         outcome = infer_one(dropin_server.grpc_url, "legacy_llm",
                             llm_inputs("Hello", {"max_tokens": 4, "temperature": 0}, stream=True))
         assert outcome.error is None and outcome.text
+
+
+def test_model_json_naming_a_hugging_face_id_loads_from_the_local_cache(dropin_server):
+    client = _client(dropin_server)
+    with loaded(client, "hub_id"), loaded(client, "vllm_model"):
+        prompt, sampling = "The capital of France is", {"max_tokens": 6, "temperature": 0}
+        via_id = infer_one(dropin_server.grpc_url, "hub_id", llm_inputs(prompt, sampling))
+        via_path = infer_one(dropin_server.grpc_url, "vllm_model", llm_inputs(prompt, sampling))
+        assert via_id.error is None and via_id.text == via_path.text  # the same tiny model
+    # Not cached, and HF_HUB_OFFLINE: the load fails naming the id.
+    assert_loads_fail(client, {"hub_id_missing": ["'acme/not-cached'", "HF_HUB_OFFLINE"]})
+
+
+def test_chat_prompts_get_one_bos(dropin_server):
+    """The OpenAI route's chat rendering and request, sent to the `llm` model as its
+    client sends them: the BOS the template wrote is the only one."""
+    from transformers import AutoTokenizer
+
+    from openai_frontend.chat import render_chat
+    from openai_frontend.mapping import chat_request
+    from openai_frontend.protocol import ChatCompletionRequest
+
+    tokenizer = AutoTokenizer.from_pretrained(dropin_server.model_repository.parent / "bos-tokenizer")
+    messages = [{"role": "user", "content": "hello there"}]
+    prompt = render_chat(tokenizer, messages)
+    triton = chat_request(ChatCompletionRequest(model="bos_chat", messages=messages), prompt)
+    expected = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert expected.count(tokenizer.bos_token_id) == 1
+    with loaded(_client(dropin_server), "bos_chat"):
+        def prompt_tokens(sampling: dict) -> int:
+            out = infer_one(dropin_server.grpc_url, "bos_chat",
+                            llm_inputs(prompt, {**sampling, "max_tokens": 1},
+                                       return_num_input_tokens=True))
+            assert out.error is None, out.error
+            return int(out.responses[-1]["num_input_tokens"].reshape(-1)[0])
+
+        assert prompt_tokens(triton.sampling) == len(expected)
+        # A text prompt still gets the tokenizer's BOS, here a second one.
+        assert prompt_tokens({}) == len(expected) + 1

@@ -323,10 +323,13 @@ def test_logprobs_are_returned(tiny):
                                                     ignore_eos=True), use_tqdm=False)[0].outputs[0]
     assert len(out.logprobs) == 5
     for tok, lp in zip(out.token_ids, out.logprobs):
-        assert tok in lp and lp[tok] <= 0.0
-        # greedy: the sampled token is the most likely one
-        assert lp[tok] == pytest.approx(max(lp.values()))
-    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for t, lp in zip(out.token_ids, out.logprobs)))
+        assert tok in lp and lp[tok].logprob <= 0.0
+        # greedy: the sampled token is the most likely one, ranked first as in vLLM
+        assert lp[tok].logprob == pytest.approx(max(e.logprob for e in lp.values()))
+        assert lp[tok].rank == 1
+        assert sorted(e.rank for e in lp.values()) == [1, 2, 3]
+    assert out.cumulative_logprob == pytest.approx(
+        sum(lp[t].logprob for t, lp in zip(out.token_ids, out.logprobs)))
 
 
 @pytest.mark.slow

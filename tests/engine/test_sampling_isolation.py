@@ -165,7 +165,7 @@ def test_any_sampling_object_is_rejected_by_name_or_completes_beside_others(
         assert len(out.token_ids) <= params.max_tokens
     if params.logprobs is not None:
         assert len(out.logprobs) == len(out.token_ids)
-        assert all(math.isfinite(lp[t]) for t, lp in zip(out.token_ids, out.logprobs))
+        assert all(math.isfinite(lp[t].logprob) for t, lp in zip(out.token_ids, out.logprobs))
 
 
 @pytest.mark.parametrize("sampling", [

@@ -58,7 +58,7 @@ def test_completion_prompt_forms():
 
 
 def test_chat_limits_and_logprobs():
-    assert chat().sampling == {"max_tokens": None}  # chat's default: until the model stops
+    assert chat().sampling == {"max_tokens": None, "add_special_tokens": False}  # until the model stops
     assert chat(max_completion_tokens=5).sampling["max_tokens"] == 5
     assert chat(max_tokens=6).sampling["max_tokens"] == 6
     refused(lambda: chat(max_tokens=6, max_completion_tokens=5), "max_tokens")
@@ -66,7 +66,7 @@ def test_chat_limits_and_logprobs():
     assert chat(logprobs=True, top_logprobs=4).sampling["logprobs"] == 4
     assert "logprobs" not in chat().sampling and not chat().logprobs
     refused(lambda: chat(top_logprobs=2), "top_logprobs")
-    assert chat(tool_choice="none").sampling == {"max_tokens": None}
+    assert chat(tool_choice="none").sampling == {"max_tokens": None, "add_special_tokens": False}
 
 
 def test_response_format_becomes_structured_outputs():

@@ -109,7 +109,7 @@ def test_head_shard_refuses_uneven_splits(heads, kv_heads, world, fragment):
 def _generate(llm, prompts, params=GREEDY):
     outs = llm.generate(prompts, params, use_tqdm=False)
     ids = [o.outputs[0].token_ids for o in outs]
-    logprobs = [[step[t] for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+    logprobs = [[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                 for o in outs]
     return ids, logprobs
 

@@ -235,6 +235,20 @@ def test_logprobs_are_log_softmax_of_raw_logits():
     assert torch.allclose(out.topk_logprobs, top.values)
 
 
+def test_sampled_token_rank_counts_the_vocab_at_or_above_it():
+    """vLLM's rank (v1/sample/ops/logprobs.py batched_count_greater_than): how many of the
+    row's logprobs are >= the sampled token's, so the argmax is 1."""
+    logits = torch.randn(64, 40, generator=torch.Generator().manual_seed(5))
+    reqs = [make_request(i, SamplingParams(temperature=0.0 if i == 0 else 3.0, logprobs=0))
+            for i in range(64)]
+    out = sample(Sampler(seed=9), logits, reqs)
+    ref = torch.log_softmax(logits, dim=-1)
+    chosen = ref.gather(1, out.sampled_token_ids[:, None])
+    assert torch.equal(out.sampled_ranks, (ref >= chosen).sum(dim=-1))
+    assert out.sampled_ranks[0] == 1
+    assert out.sampled_ranks.max() > 1  # hot rows pick tokens other than the argmax
+
+
 def test_logprobs_absent_unless_asked_and_topk_absent_for_zero():
     logits = torch.randn(2, 20, generator=torch.Generator().manual_seed(13))
     plain = sample(Sampler(), logits, [make_request(i, SamplingParams()) for i in range(2)])
