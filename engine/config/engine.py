@@ -65,6 +65,10 @@ class EngineConfig:
             raise ValueError(f"trace_max_bytes must be an integer >= 1024, got {self.trace_max_bytes!r}")
         if not isinstance(self.data_parallel_rank, int) or self.data_parallel_rank < 0:
             raise ValueError(f"data_parallel_rank must be an integer >= 0, got {self.data_parallel_rank!r}")
+        if isinstance(self.kv_events_config, KVEventsConfig) and self.kv_events_config.active:
+            # Here, before the weights load: a rank whose KV-event ports clash with another
+            # rank's fails at once, naming them (the backend sets the rank by replace()).
+            self.kv_events_config.check_rank_ports(self.data_parallel_rank)
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"num_threads must be an integer >= 0, got {self.num_threads!r}")
         check_positive("tensor_parallel_size", self.tensor_parallel_size)

@@ -26,14 +26,27 @@ class VllmSide:
     def __init__(self, python: Path):
         self.python = python
 
-    def run(self, script: str, payload=None, timeout: float = 300, env=None) -> object:
+    def _env(self, env=None) -> dict[str, str]:
         child_env = {k: v for k, v in os.environ.items()
                      if not k.startswith(("PYTHON", "VIRTUAL_ENV", "TRITON_INTERPRET"))}
         child_env.update({"VLLM_TARGET_DEVICE": "cpu", "VLLM_LOGGING_LEVEL": "WARNING"})
         child_env.update(env or {})
+        return child_env
+
+    def start(self, script: str, stderr_path: Path, env=None) -> subprocess.Popen:
+        """The script running beside the test, for a conversation over its stdin and
+        stdout (text, line-buffered; stderr goes to `stderr_path`, so it never blocks on
+        a full pipe); the caller waits for it, or kills it."""
+        with open(stderr_path, "w") as stderr:
+            return subprocess.Popen([str(self.python), "-u", "-c", script],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=stderr, text=True, bufsize=1, env=self._env(env),
+                                    cwd=str(ROOT))
+
+    def run(self, script: str, payload=None, timeout: float = 300, env=None) -> object:
         proc = subprocess.run([str(self.python), "-c", script],
                               input=json.dumps(payload).encode(), capture_output=True,
-                              timeout=timeout, env=child_env, cwd=str(ROOT))
+                              timeout=timeout, env=self._env(env), cwd=str(ROOT))
         if proc.returncode != 0:
             raise AssertionError(f"vLLM-side script failed ({proc.returncode}):\n"
                                  f"{proc.stderr.decode(errors='replace')[-4000:]}")

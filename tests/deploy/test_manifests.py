@@ -602,6 +602,48 @@ def test_model_json_is_accepted_by_the_backend(tmp_path):
     assert config.cache.prefix_caching_hash_algo == "sha256_cbor"
 
 
+def test_two_instances_with_the_deploys_kv_event_ports_both_open_their_sockets(tmp_path):
+    """instance_group count 2 with this model.json: rank 1 publishes on the ports + 1
+    (vLLM's data-parallel rule), which must not be rank 0's. Both ranks pass the
+    cross-rank check (so do far more), then both really bind, on the deploy's spacing
+    moved to ports free on this host."""
+    import dataclasses
+    import socket
+
+    from backend.instance import place_instance
+    from engine.core.kv_cache.publisher import make_publisher
+
+    config = EngineConfig.from_dict(parse_model_json(render_model_json(tmp_path)).engine_args)
+    events = config.kv_events_config
+    for rank in range(16):
+        events.for_rank(rank)
+    ranks = [place_instance(config, {"model_instance_name": f"llm_0_{i}",
+                                     "model_instance_kind": "CPU"}) for i in range(2)]
+    assert [r.data_parallel_rank for r in ranks] == [0, 1]
+    pub = int(events.endpoint.rsplit(":", 1)[1])
+    gap = int(events.replay_endpoint.rsplit(":", 1)[1]) - pub
+
+    def free(port):
+        with socket.socket() as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+        return True
+    base = next(b for b in range(20000, 40000, 7)
+                if all(free(p) for p in (b, b + 1, b + gap, b + gap + 1)))
+    moved = dataclasses.replace(events, endpoint=f"tcp://*:{base}",
+                                replay_endpoint=f"tcp://*:{base + gap}")
+    publishers = []
+    try:
+        for rank in range(2):
+            publishers.append(make_publisher(moved, rank))
+        assert all(p.enabled for p in publishers)
+    finally:
+        for p in publishers:
+            p.shutdown()
+
+
 def test_memory_request_covers_the_kv_pool(tmp_path):
     rendered = render_model_json(tmp_path)
     request = TRITON["resources"]["requests"]["memory"]

@@ -42,7 +42,7 @@ def test_served_prompts_are_found_by_an_outside_indexer(server):
     # until the last one is in.
     deadline = time.monotonic() + 10
     while True:
-        replayed = _replay_all(server.kv_replay_port, 0)
+        replayed = _replay_all(server.kv_replay_port, 0, topic=b"kv@llm")
         index = KVEventIndex()
         for seq, payload in replayed:
             index.apply(seq, payload)

@@ -15,6 +15,8 @@ from engine.core.kv_cache.hashing import BlockHash
 
 # vLLM names the engine's own KV tier "GPU" whatever the device; its CPU build does too.
 MEDIUM = "GPU"
+# vLLM's KV-cache group of every event: this engine has one group (full attention).
+GROUP_IDX = 0
 _MASK64 = (1 << 64) - 1
 
 
@@ -35,6 +37,9 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM
+    # One entry per block, as vLLM 0.32 publishes them: the block's hash extra keys
+    # untagged (the bare cache_salt on a salted prompt's first block), else None.
+    extra_keys: list[tuple | None] | None = None
 
 
 @dataclass(slots=True)

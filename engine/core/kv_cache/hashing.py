@@ -3,15 +3,24 @@ token ids and the request's extra keys (cache_salt), so equal hashes mean equal
 prefixes, not merely equal blocks.
 
 `builtin` (Python's hash() of the tuple) is the fast default; it is not meant to be
-reproduced outside the process. `sha256` and `sha256_cbor` are vLLM's
-`prefix_caching_hash_algo` values with vLLM's inputs: the tuple (parent, token ids,
-extra keys), the first block's parent being the hash of PYTHONHASHSEED (vLLM's fixed
-seed string when unset). With `sha256_cbor` an indexer in any language that hashes the
-same tokens the same way (canonical CBOR, then SHA-256) gets the keys this engine
-publishes in its KV events."""
+reproduced outside the process. The others are vLLM 0.32's `prefix_caching_hash_algo`
+values (vllm/utils/hashing.py) with vLLM's inputs (vllm/v1/core/kv_cache_utils.py,
+hash_block_tokens): the tuple (parent, token ids, extra keys), serialized by pickle
+(`sha256`, `xxhash`) or canonical CBOR (`sha256_cbor`, `xxhash_cbor`), then hashed with
+SHA-256 or XXH3-128. With `sha256_cbor` an indexer in any language that hashes the same
+tokens the same way gets the keys this engine publishes in its KV events.
+
+The first block's parent (vLLM's NONE_HASH) is the hash of a seed, vLLM's rule
+(init_none_hash / resolve_none_hash_seed): PYTHONHASHSEED when set; otherwise vLLM's
+fixed seed string for the SHA-256 algorithms, and 32 random bytes (hex), drawn once per
+process, for the xxhash ones, which are not collision resistant: a seed anyone can
+predict would let a crafted prompt collide with another tenant's blocks. So xxhash keys
+are reproducible outside the process only with PYTHONHASHSEED set alike on both sides,
+exactly as with vLLM."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import pickle
 from typing import Any, Callable
@@ -19,20 +28,73 @@ from typing import Any, Callable
 from engine.config.cache import HASH_ALGOS
 from engine.core.request import Request
 
+logger = logging.getLogger(__name__)
+
 # vLLM's seed for the first block's parent when PYTHONHASHSEED is not set.
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
+# The algorithms whose seed must stay secret (vLLM's _NON_CRYPTO_HASH_FUNCTIONS).
+NON_CRYPTO_ALGOS = frozenset({"xxhash", "xxhash_cbor"})
 
 BlockHash = int | bytes
+
+_random_seed: str | None = None
 
 
 def _sha256(value: Any) -> bytes:
     return hashlib.sha256(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)).digest()
 
 
-def _sha256_cbor(value: Any) -> bytes:
-    import cbor2  # only with this algorithm
+def _cbor(value: Any) -> bytes:
+    import cbor2  # only with the CBOR algorithms
 
-    return hashlib.sha256(cbor2.dumps(value, canonical=True)).digest()
+    return cbor2.dumps(value, canonical=True)
+
+
+def _sha256_cbor(value: Any) -> bytes:
+    return hashlib.sha256(_cbor(value)).digest()
+
+
+def _xxh3_128():
+    try:
+        import xxhash
+    except ImportError:
+        raise ValueError("prefix_caching_hash_algo xxhash / xxhash_cbor needs the xxhash package "
+                         "(pip install xxhash)") from None
+    if not hasattr(xxhash, "xxh3_128_digest"):
+        raise ValueError(f"prefix_caching_hash_algo xxhash / xxhash_cbor needs xxhash >= 2.0 "
+                         f"(xxh3_128_digest); this one is {xxhash.VERSION}")
+    return xxhash.xxh3_128_digest
+
+
+def _hash_function(algo: str) -> Callable[[Any], BlockHash]:
+    if algo == "builtin":
+        return hash
+    if algo == "sha256":
+        return _sha256
+    if algo == "sha256_cbor":
+        return _sha256_cbor
+    digest = _xxh3_128()
+    if algo == "xxhash":
+        return lambda value: digest(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
+    return lambda value: digest(_cbor(value))
+
+
+def none_hash_seed(algo: str) -> str:
+    """vLLM's resolve_none_hash_seed."""
+    seed = os.environ.get("PYTHONHASHSEED")
+    if seed is not None:
+        return seed
+    if algo in NON_CRYPTO_ALGOS:
+        global _random_seed
+        if _random_seed is None:
+            _random_seed = os.urandom(32).hex()
+            logger.warning("prefix_caching_hash_algo=%s: the first block's parent is seeded with "
+                           "random bytes, as vLLM does for a hash that is not collision "
+                           "resistant, so its block hashes are not reproducible outside this "
+                           "process; set PYTHONHASHSEED alike on the engines and the indexer to "
+                           "share them, or use sha256_cbor", algo)
+        return _random_seed
+    return DEFAULT_NONE_HASH_SEED
 
 
 class BlockHasher:
@@ -40,13 +102,10 @@ class BlockHasher:
         if algo not in HASH_ALGOS:
             raise ValueError(f"prefix_caching_hash_algo must be one of {HASH_ALGOS}, got {algo!r}")
         self.algo = algo
-        fn: Callable[[Any], BlockHash] = {"builtin": hash, "sha256": _sha256,
-                                          "sha256_cbor": _sha256_cbor}[algo]
+        fn = _hash_function(algo)
         self._fn = fn
         # builtin keeps None as the first parent: nothing outside needs to agree with it.
-        self.none_hash: BlockHash | None = (
-            None if algo == "builtin"
-            else fn(os.environ.get("PYTHONHASHSEED", DEFAULT_NONE_HASH_SEED)))
+        self.none_hash: BlockHash | None = None if algo == "builtin" else fn(none_hash_seed(algo))
 
     def hash_block(self, parent_hash: BlockHash | None, token_ids: tuple[int, ...],
                    extra_keys: tuple | None = None) -> BlockHash:
@@ -69,11 +128,19 @@ class BlockHasher:
 
 
 def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
-    """vLLM's form: the salt, tagged, on the first block only (a salted prompt's later
-    blocks differ through the chain)."""
+    """What vLLM 0.32 hashes (generate_block_hash_extra_keys): the salt, tagged with its
+    source, on the first block only (a salted prompt's later blocks differ through the
+    chain)."""
     if block_index == 0 and cache_salt:
         return (("cache_salt", cache_salt),)
     return None
+
+
+def event_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
+    """What vLLM 0.32 publishes for that block in BlockStored.extra_keys
+    (to_event_extra_keys): the same keys untagged, so the bare salt."""
+    keys = block_extra_keys(cache_salt, block_index)
+    return None if keys is None else tuple(key[1] for key in keys)
 
 
 def update_block_hashes(request: Request, block_size: int, hasher: BlockHasher) -> list[BlockHash]:

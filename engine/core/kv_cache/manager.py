@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from engine.core.kv_cache.block_pool import BlockPool, KVBlock
 from engine.core.kv_cache.events import BlockStored, KVCacheEvent
-from engine.core.kv_cache.hashing import BlockHasher, update_block_hashes
+from engine.core.kv_cache.hashing import BlockHasher, event_extra_keys, update_block_hashes
 from engine.core.request import Request
 
 
@@ -124,7 +124,9 @@ class KVCacheManager:
                 pool.events.append(BlockStored(
                     block_hashes=hashes[run_start:i],
                     parent_block_hash=hashes[run_start - 1] if run_start else None,
-                    token_ids=list(tokens[run_start * bs:i * bs]), block_size=bs))
+                    token_ids=list(tokens[run_start * bs:i * bs]), block_size=bs,
+                    extra_keys=[event_extra_keys(request.cache_salt, j)
+                                for j in range(run_start, i)]))
                 run_start = None
 
     def take_events(self) -> list[KVCacheEvent]:

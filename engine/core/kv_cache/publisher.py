@@ -1,15 +1,17 @@
 """KV-cache events on the wire, as vLLM publishes them, so prefix-aware routers (llm-d's
 KV indexer, Dynamo's KV router) index this engine without knowing it.
 
-Wire format (vLLM 0.32, vllm/distributed/kv_events.py; the peer bench/vllm_peer.py runs):
+Wire format (vLLM 0.32, vllm/distributed/kv_events.py, ZmqEventPublisher, which the peer
+bench/vllm_peer.py runs; tests/conformance/ reads ours with vLLM's own decoder):
 - a ZMQ PUB socket sends one multipart message per engine step that changed the cache:
   (topic, sequence number as 8 bytes big-endian, msgpack payload);
 - the payload is the batch as an array [ts, events, data_parallel_rank]; each event is a
   map tagged by "type" ("BlockStored", "BlockRemoved", "AllBlocksCleared") with the
   fields in vLLM's order, fields left at their defaults omitted (msgspec omit_defaults);
 - a ROUTER socket (replay_endpoint) answers a request (identity, b"", start sequence as 8
-  bytes big-endian) with every buffered batch from there on as (identity, b"", seq,
-  payload), then (identity, b"", -1 as 8 signed bytes, b"").
+  bytes big-endian) with every buffered batch from there on as (identity, b"", topic,
+  seq, payload), the frames a live subscriber gets, then (identity, b"", b"", -1 as 8
+  signed bytes, b""). A DEALER client thus reads (b"", topic, seq, payload) per batch.
 """
 from __future__ import annotations
 
@@ -20,9 +22,9 @@ import time
 from collections import deque
 from typing import Any
 
-from engine.config.kv_events import KVEventsConfig
-from engine.core.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                                         external_hash)
+from engine.config.kv_events import KVEventsConfig, binds
+from engine.core.kv_cache.events import (GROUP_IDX, AllBlocksCleared, BlockRemoved, BlockStored,
+                                         KVCacheEvent, external_hash)
 
 logger = logging.getLogger(__name__)
 
@@ -30,16 +32,23 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
+    """vLLM 0.32's fields in its order: the required ones always, then extra_keys and
+    group_idx as its block pool fills them (session_id, locality, ... stay at None and
+    are omitted)."""
     if isinstance(event, BlockStored):
-        return {"type": "BlockStored",
+        wire = {"type": "BlockStored",
                 "block_hashes": [external_hash(h) for h in event.block_hashes],
                 "parent_block_hash": (None if event.parent_block_hash is None
                                       else external_hash(event.parent_block_hash)),
                 "token_ids": event.token_ids, "block_size": event.block_size,
                 "lora_id": None, "medium": event.medium, "lora_name": None}
+        if event.extra_keys is not None:
+            wire["extra_keys"] = [None if keys is None else list(keys) for keys in event.extra_keys]
+        wire["group_idx"] = GROUP_IDX
+        return wire
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [external_hash(h) for h in event.block_hashes],
-                "medium": event.medium}
+                "medium": event.medium, "group_idx": GROUP_IDX}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV-cache event: {event!r}")
@@ -70,21 +79,22 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(config.hwm)
         self._replay = None
+        opening = ("endpoint", config.endpoint)
         try:
             # vLLM's convention: an address with a wildcard (or ipc/inproc) is bound, a
             # host address is connected to.
-            endpoint = config.endpoint
-            if "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
-                self._pub.bind(endpoint)
+            if binds(config.endpoint):
+                self._pub.bind(config.endpoint)
             else:
-                self._pub.connect(endpoint)
+                self._pub.connect(config.endpoint)
             if config.replay_endpoint:
+                opening = ("replay_endpoint", config.replay_endpoint)
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()
-            raise ValueError(f"kv_events_config: cannot open {config.endpoint!r} / "
-                             f"{config.replay_endpoint!r}: {exc}") from exc
+            raise ValueError(f"kv_events_config: cannot open {opening[0]} {opening[1]!r} "
+                             f"(rank {data_parallel_rank}): {exc}") from exc
         self.next_seq = 0
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
@@ -151,10 +161,12 @@ class ZmqEventPublisher:
             return
         identity, _, start = frames
         start_seq = int.from_bytes(start, "big")
+        # vLLM's _service_replay: each batch in the frames PUB sent it with, topic first.
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
-                self._replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payload))
-        self._replay.send_multipart((identity, b"", END_SEQ, b""))
+                self._replay.send_multipart((identity, b"", self._topic, seq.to_bytes(8, "big"),
+                                             payload))
+        self._replay.send_multipart((identity, b"", b"", END_SEQ, b""))
 
     def _close_sockets(self) -> None:
         for sock in (self._pub, self._replay):

@@ -75,8 +75,37 @@ def test_sha256_pickles_the_same_tuple(monkeypatch):
 
 def test_unknown_hash_algo_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="sha256_cbor"):
-        CacheConfig(prefix_caching_hash_algo="xxhash")
+        CacheConfig(prefix_caching_hash_algo="md5")
     assert CacheConfig().prefix_caching_hash_algo == "builtin"
+
+
+@pytest.mark.parametrize("algo", ["xxhash", "xxhash_cbor"])
+def test_xxhash_algos_load_and_seed_as_vllm_does(algo, monkeypatch):
+    """vLLM's two non-cryptographic algorithms: XXH3-128 of the pickled / CBOR tuple. Their
+    first parent is seeded from PYTHONHASHSEED when set, else from random bytes drawn once
+    per process (tests/conformance/test_block_hash_vllm.py checks vLLM's own values)."""
+    import xxhash
+
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    config = EngineConfig.from_dict({"prefix_caching_hash_algo": algo})
+    assert config.cache.prefix_caching_hash_algo == algo
+    s = _scheduler(num_blocks=8, algo=algo)
+    s.add_request(Request("r", list(range(1, 11)), SamplingParams(max_tokens=1)))
+    s.schedule()
+    hashes = s.requests["r"].block_hashes
+    serialize = ((lambda v: pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL)) if algo == "xxhash"
+                 else (lambda v: cbor2.dumps(v, canonical=True)))
+
+    def h(value):
+        return xxhash.xxh3_128_digest(serialize(value))
+    first = h((h("0"), (1, 2, 3, 4), None))
+    assert hashes == [first, h((first, (5, 6, 7, 8), None))]
+    assert all(len(x) == 16 for x in hashes)
+    monkeypatch.delenv("PYTHONHASHSEED")
+    unseeded = BlockHasher(algo)
+    assert unseeded.none_hash not in (h("0"), h("vllm-none-hash"))
+    # One seed per process: every hasher in it agrees.
+    assert BlockHasher(algo).none_hash == unseeded.none_hash
 
 
 def _scheduler(num_blocks, algo="sha256_cbor", **sched):
@@ -132,7 +161,8 @@ def test_stored_removed_and_cleared_events_name_chains_and_skip_duplicates():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(workloads(), st.sampled_from(["builtin", "sha256", "sha256_cbor"]), st.randoms())
+@given(workloads(), st.sampled_from(["builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
+       st.randoms())
 def test_events_rebuild_the_cached_set_after_any_workload(workload, algo, rnd):
     """Through the wire (encode, decode), after every step of a random workload with
     evictions, preemptions, aborts and an occasional reset_prefix_cache, the subscriber's
@@ -211,6 +241,9 @@ def test_payload_decodes_with_vllms_message_types():
     assert isinstance(first, BlockStored) and first.parent_block_hash is None
     assert first.token_ids == list(range(1, 9))
     assert first.medium == "GPU" and first.lora_id is None and first.block_size == 4
+    # vLLM 0.32's block pool: one extra-keys entry per block, the one KV-cache group.
+    assert first.extra_keys == [None, None] and first.group_idx == 0
+    assert all(e.group_idx == 0 for e in batch.events if hasattr(e, "group_idx"))
     assert all(0 <= h < 2**64 for e in batch.events if hasattr(e, "block_hashes")
                for h in e.block_hashes)
 
@@ -240,7 +273,9 @@ def _receive(sub, count, timeout_ms=5000):
     return got
 
 
-def _replay_all(port, start_seq):
+def _replay_all(port, start_seq, topic=None):
+    """[(seq, payload)] from the replay socket, driven as a client of vLLM's publisher
+    does; each batch's topic frame must be `topic` when given."""
     import zmq
 
     dealer = zmq.Context.instance().socket(zmq.DEALER)
@@ -249,11 +284,15 @@ def _replay_all(port, start_seq):
     out = []
     while True:
         assert dealer.poll(5000), "replay did not finish"
-        empty, seq_bytes, payload = dealer.recv_multipart()
+        # vLLM's replay frames: the batch as PUB sent it, (topic, seq, payload), behind
+        # the DEALER's empty delimiter; the end marker has an empty topic and payload.
+        empty, frame_topic, seq_bytes, payload = dealer.recv_multipart()
         assert empty == b""
         seq = int.from_bytes(seq_bytes, "big", signed=True)
         if seq == -1:
+            assert (frame_topic, payload) == (b"", b"")
             break
+        assert topic is None or frame_topic == topic, (frame_topic, topic)
         out.append((seq, payload))
     dealer.close(linger=0)
     return out
@@ -302,7 +341,7 @@ def test_zmq_publisher_sends_topic_seq_payload_and_replays_from_a_sequence():
             index.apply(seq, payload)
         assert index.keys == engine_set(s)
         # Replay keeps the last buffer_steps batches: asking from 0 gets those three.
-        replayed = _replay_all(replay_port, 0)
+        replayed = _replay_all(replay_port, 0, topic=b"kv")
         assert [seq for seq, _ in replayed] == seqs[-3:]
         assert [p for _, p in replayed] == [m[2] for m in msgs[-3:]]
         assert _replay_all(replay_port, seqs[-1] + 1) == []
@@ -335,7 +374,7 @@ def test_port_in_use_is_a_clear_error():
         holder.bind(("0.0.0.0", 0))
         holder.listen()
         port = holder.getsockname()[1]
-        with pytest.raises(ValueError, match="cannot open"):
+        with pytest.raises(ValueError, match=f"cannot open endpoint 'tcp://\\*:{port}'"):
             ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True,
                                              endpoint=f"tcp://*:{port}"))
 
@@ -352,7 +391,9 @@ def test_model_json_takes_vllms_kv_events_config():
     with pytest.raises(ValueError, match="kv_events_config"):
         parse_model_json({"kv_events_config": {"enable_kv_cache_event": True}})
     with pytest.raises(ValueError, match="prefix_caching_hash_algo"):
-        parse_model_json({"prefix_caching_hash_algo": "xxhash"})
+        parse_model_json({"prefix_caching_hash_algo": "md5"})
+    assert parse_model_json({"prefix_caching_hash_algo": "xxhash_cbor"}).engine_args[
+        "prefix_caching_hash_algo"] == "xxhash_cbor"
 
 
 def test_real_engine_publishes_what_it_caches(tmp_path):
@@ -392,7 +433,7 @@ def test_real_engine_publishes_what_it_caches(tmp_path):
         # what PUB sent before its subscription arrived), then the live stream's part of
         # it must be the same bytes under the same numbers.
         assert engine.kv_events.flush()
-        replayed = _replay_all(replay_port, 0)
+        replayed = _replay_all(replay_port, 0, topic=b"")
         index = KVEventIndex()
         for seq, payload in replayed:
             index.apply(seq, payload)
