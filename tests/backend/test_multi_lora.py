@@ -1,0 +1,66 @@
+"""multi_lora.json as vllm_backend reads it, and lora_name in a request: found in
+sampling_parameters or HTTP generate's parameters, resolved against the file's names."""
+import json
+
+import numpy as np
+import pytest
+
+from backend.multi_lora import read_multi_lora, resolve_lora_name
+from backend.request_parsing import InvalidRequest, parse_llm_request
+
+
+def write(folder, data):
+    (folder / "multi_lora.json").write_text(data if isinstance(data, str) else json.dumps(data))
+
+
+def test_names_map_to_folders_numbered_in_file_order(tmp_path):
+    write(tmp_path, {"alpaca": "/weights/loras/alpaca-lora-7b", "bactrian": "loras/bactrian"})
+    adapters = read_multi_lora(tmp_path)
+    assert list(adapters) == ["alpaca", "bactrian"]
+    assert adapters["alpaca"].lora_int_id == 1 and adapters["bactrian"].lora_int_id == 2
+    assert adapters["alpaca"].lora_path == "/weights/loras/alpaca-lora-7b"
+    # Relative to the version folder, wherever the server was started.
+    assert adapters["bactrian"].lora_path == str(tmp_path / "loras/bactrian")
+
+
+@pytest.mark.parametrize("data,fragment", [
+    (None, "enable_lora is true but .*multi_lora.json does not exist"),
+    ('{"a": ', "not readable as JSON"),
+    ([], "non-empty JSON object"),
+    ({}, "non-empty JSON object"),
+    ({"a": 3}, "adapter 'a' must map to a folder path"),
+])
+def test_bad_files_are_refused_naming_the_problem(tmp_path, data, fragment):
+    if data is not None:
+        write(tmp_path, data)
+    with pytest.raises(ValueError, match=fragment):
+        read_multi_lora(tmp_path)
+
+
+def test_an_unknown_name_is_refused_naming_it(tmp_path):
+    write(tmp_path, {"alpaca": "/a", "bactrian": "/b"})
+    adapters = read_multi_lora(tmp_path)
+    assert resolve_lora_name(adapters, "bactrian").lora_name == "bactrian"
+    with pytest.raises(ValueError, match=r"lora_name 'llama' is not one of this model's adapters "
+                                         r"\['alpaca', 'bactrian'\]"):
+        resolve_lora_name(adapters, "llama")
+    with pytest.raises(ValueError, match="lora_name 'alpaca': LoRA is not enabled"):
+        resolve_lora_name(None, "alpaca")
+
+
+def prompt_tensors(sampling=None):
+    out = {"text_input": np.array([b"hi"], dtype=np.object_)}
+    if sampling is not None:
+        out["sampling_parameters"] = np.array([json.dumps(sampling).encode()], dtype=np.object_)
+    return out
+
+
+def test_lora_name_rides_in_sampling_parameters_or_request_parameters():
+    parsed = parse_llm_request(prompt_tensors({"max_tokens": "4", "lora_name": "alpaca"}))
+    assert parsed.lora_name == "alpaca" and parsed.params.max_tokens == 4
+    http = parse_llm_request(prompt_tensors(), json.dumps({"lora_name": "bactrian"}))
+    assert http.lora_name == "bactrian"
+    assert parse_llm_request(prompt_tensors({"lora_name": None})).lora_name is None
+    assert parse_llm_request(prompt_tensors({})).lora_name is None
+    with pytest.raises(InvalidRequest, match="lora_name must be a non-empty string"):
+        parse_llm_request(prompt_tensors({"lora_name": 3}))

@@ -1,0 +1,115 @@
+"""Multi-LoRA on a real tritonserver with vllm_backend's LoRA layout: model.json with
+enable_lora / max_lora_rank and multi_lora.json beside it in the version folder.
+
+- lora_model: clients sending lora_name (gRPC stream, HTTP generate) get the adapter's
+  text, the same as the offline engine with that LoRARequest (the engine's own tests hold
+  it to HF + peft); a bad name is refused INVALID_ARG naming it while the requests sent
+  with it finish unharmed.
+- no_multi_lora / bad_rank: enable_lora without multi_lora.json, or an adapter above
+  max_lora_rank, fail that model's load naming the file or the adapter."""
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.e2e.shared import TINY_ENGINE_ARGS, assert_loads_fail, loaded, running_server
+from tests.e2e.triton_clients import infer_one, llm_inputs
+
+pytestmark = pytest.mark.slow
+
+CONFIG = 'backend: "tle"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
+PROMPT = "The capital of France is"
+SAMPLING = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+
+
+def _model(repo, name, model_json, multi_lora=None):
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(CONFIG)
+    (version / "model.json").write_text(json.dumps(model_json, indent=2))
+    if multi_lora is not None:
+        (version / "multi_lora.json").write_text(json.dumps(multi_lora, indent=2))
+
+
+@pytest.fixture(scope="module")
+def lora_env(tmp_path_factory, tiny_model_dir):
+    from testing.lora_adapter import make_lora_adapter_dir
+
+    work = tmp_path_factory.mktemp("triton-lora")
+    weights = work / "weights" / "loras"
+    alpha = make_lora_adapter_dir(tiny_model_dir, weights / "alpha", seed=1, r=8)
+    beta = make_lora_adapter_dir(tiny_model_dir, weights / "beta", seed=2, r=16,
+                                 target_modules=("q_proj", "v_proj"))
+    repo = work / "models"
+    base_json = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enforce_eager": "true"}
+    _model(repo, "lora_model", {**base_json, "enable_lora": "true", "max_lora_rank": 16,
+                                "max_loras": 2}, {"alpha": str(alpha), "beta": str(beta)})
+    _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
+    _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
+           {"alpha": str(alpha), "beta": str(beta)})
+    with running_server(repo, work, timeout=300) as handle:
+        yield dict(server=handle, tiny=str(tiny_model_dir), alpha=str(alpha), beta=str(beta))
+
+
+@pytest.fixture(scope="module")
+def expected(lora_env):
+    from engine import LLM, LoRARequest, SamplingParams
+
+    args = {k: v for k, v in TINY_ENGINE_ARGS.items()}
+    llm = LLM(lora_env["tiny"], enable_lora=True, max_lora_rank=16, max_loras=2, **args)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    loras = {None: None, "alpha": LoRARequest("alpha", 1, lora_env["alpha"]),
+             "beta": LoRARequest("beta", 2, lora_env["beta"])}
+    texts = {name: llm.generate([PROMPT], params, use_tqdm=False, lora_request=lora)[0]
+             .outputs[0].text for name, lora in loras.items()}
+    assert len(set(texts.values())) == 3  # each adapter changes the text
+    return texts
+
+
+def _grpc(client_url, lora_name, stream=True):
+    sampling = dict(SAMPLING) if lora_name is None else {**SAMPLING, "lora_name": lora_name}
+    return infer_one(client_url, "lora_model",
+                     llm_inputs(PROMPT, sampling, stream=stream, exclude_input_in_output=True))
+
+
+def test_clients_sending_lora_name_get_the_adapters_text(lora_env, expected):
+    import tritonclient.grpc as grpcclient
+
+    server = lora_env["server"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "lora_model"):
+        # Mixed in flight together: two adapters, the base, and a name nobody serves.
+        names = ["alpha", "nosuch", None, "beta", "alpha"]
+        with ThreadPoolExecutor(len(names)) as pool:
+            outcomes = list(pool.map(lambda n: _grpc(server.grpc_url, n), names))
+        for name, outcome in zip(names, outcomes):
+            if name == "nosuch":
+                assert outcome.error is not None and "'nosuch'" in outcome.error
+                assert "alpha" in outcome.error and "beta" in outcome.error
+                continue
+            assert outcome.error is None, (name, outcome.error)
+            assert len(outcome.responses) > 1  # streamed
+            assert outcome.text == expected[name], name
+        http = requests.post(f"http://{server.http_url}/v2/models/lora_model/generate",
+                             json={"text_input": PROMPT, "parameters": {
+                                 **SAMPLING, "lora_name": "beta",
+                                 "exclude_input_in_output": True}}, timeout=120)
+        assert http.status_code == 200, http.text
+        assert http.json()["text_output"] == expected["beta"]
+        refused = requests.post(f"http://{server.http_url}/v2/models/lora_model/generate",
+                                json={"text_input": PROMPT, "parameters": {"lora_name": "gamma"}},
+                                timeout=120)
+        assert refused.status_code == 400 and "'gamma'" in refused.text
+
+
+def test_bad_lora_setups_fail_the_load_naming_why(lora_env):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(lora_env["server"].grpc_url)
+    assert_loads_fail(client, {
+        "no_multi_lora": ["enable_lora is true", "multi_lora.json does not exist"],
+        "bad_rank": ["LoRA adapter 'beta'", "rank 16", "greater than max_lora_rank 8"],
+    })
