@@ -66,8 +66,10 @@ class EngineModel:
         cache = self.engine.config.cache
         # Through the sender thread, which owns every call into Triton once it runs.
         max_model_len = self.engine.config.scheduler.max_model_len
-        self._worker.call(lambda: metrics.engine_ready(cache.block_size, cache.num_kv_blocks,
-                                                       max_model_len))
+        lora = self.engine.config.lora
+        self._worker.call(lambda: metrics.engine_ready(
+            cache.block_size, cache.num_kv_blocks, max_model_len,
+            max_loras=lora.max_loras if lora.enable_lora else None))
         self._ids = itertools.count()
         triton_io.log_info(f"{self.model_name}: engine ready in {time.monotonic() - started:.1f} s "
                            f"({engine_config.model or 'embedded SmolLM2-135M-Instruct'})")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.config import EngineConfig
@@ -34,6 +34,9 @@ class EngineStats:
     num_preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # enable_lora only (SchedulerStats' fields): adapter name -> running / waiting requests.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class EngineStepError(RuntimeError):
@@ -222,7 +225,9 @@ class LLMEngine:
                            prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions_total=s.num_preemptions_total,
                            prompt_tokens_total=self.prompt_tokens_total,
-                           generation_tokens_total=s.generation_tokens_total)
+                           generation_tokens_total=s.generation_tokens_total,
+                           running_lora_adapters=s.running_lora_adapters,
+                           waiting_lora_adapters=s.waiting_lora_adapters)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

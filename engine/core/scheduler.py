@@ -310,4 +310,17 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions_total=self.num_preemptions_total,
-            generation_tokens_total=self.generation_tokens_total)
+            generation_tokens_total=self.generation_tokens_total,
+            **(self._lora_counts() if self.max_loras is not None else {}))
+
+    def _lora_counts(self) -> dict[str, dict[str, int]]:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for requests, counts in ((self.running, running), (self.waiting, waiting)):
+            for request in requests:
+                if request.lora_request is not None:
+                    name = request.lora_request.lora_name
+                    counts[name] = counts.get(name, 0) + 1
+        names = list(dict.fromkeys([*running, *waiting]))
+        return {"running_lora_adapters": {n: running.get(n, 0) for n in names},
+                "waiting_lora_adapters": {n: waiting.get(n, 0) for n in names}}

@@ -10,6 +10,7 @@ enable_lora / max_lora_rank and multi_lora.json beside it in the version folder.
 from __future__ import annotations
 
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -21,14 +22,15 @@ from tests.e2e.triton_clients import infer_one, llm_inputs
 pytestmark = pytest.mark.slow
 
 CONFIG = 'backend: "tle"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
+METRICS_ON = 'parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
 PROMPT = "The capital of France is"
 SAMPLING = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
-def _model(repo, name, model_json, multi_lora=None):
+def _model(repo, name, model_json, multi_lora=None, config=CONFIG):
     version = repo / name / "1"
     version.mkdir(parents=True)
-    (repo / name / "config.pbtxt").write_text(CONFIG)
+    (repo / name / "config.pbtxt").write_text(config)
     (version / "model.json").write_text(json.dumps(model_json, indent=2))
     if multi_lora is not None:
         (version / "multi_lora.json").write_text(json.dumps(multi_lora, indent=2))
@@ -46,7 +48,8 @@ def lora_env(tmp_path_factory, tiny_model_dir):
     repo = work / "models"
     base_json = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enforce_eager": "true"}
     _model(repo, "lora_model", {**base_json, "enable_lora": "true", "max_lora_rank": 16,
-                                "max_loras": 2}, {"alpha": str(alpha), "beta": str(beta)})
+                                "max_loras": 2}, {"alpha": str(alpha), "beta": str(beta)},
+           config=CONFIG + METRICS_ON)
     _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
     _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
            {"alpha": str(alpha), "beta": str(beta)})
@@ -103,6 +106,25 @@ def test_clients_sending_lora_name_get_the_adapters_text(lora_env, expected):
                                 json={"text_input": PROMPT, "parameters": {"lora_name": "gamma"}},
                                 timeout=120)
         assert refused.status_code == 400 and "'gamma'" in refused.text
+        _check_lora_info(server.metrics_url)
+
+
+def _check_lora_info(metrics_url):
+    """vllm:lora_requests_info as vLLM 0.32 exports it: its labels name the adapters with
+    requests in flight, its value is the update's Unix time; the newest series (what
+    llm-d's picker reads) shows none once every request is done."""
+    from tests.e2e.triton_clients import scrape_metrics, series_labels
+
+    series = [(series_labels(key)[1], value) for key, value in scrape_metrics(metrics_url).items()
+              if series_labels(key)[0] == "vllm:lora_requests_info"]
+    assert series, "vllm:lora_requests_info not exported"
+    for labels, value in series:
+        assert labels["max_lora"] == "2" and labels["model"] == "lora_model"
+        assert abs(value - time.time()) < 600
+    running = {name for labels, _ in series for name in labels["running_lora_adapters"].split(",")}
+    assert {"alpha", "beta"} <= running
+    newest = max(series, key=lambda item: item[1])[0]
+    assert newest["running_lora_adapters"] == newest["waiting_lora_adapters"] == ""
 
 
 def test_bad_lora_setups_fail_the_load_naming_why(lora_env):

@@ -92,3 +92,19 @@ def test_block_hashes_carry_the_adapter_as_vllm_does():
     moved = Request("m", tokens, lora_request=LoRARequest("a", 1, "/elsewhere"), cache_salt="s")
     update_block_hashes(moved, 16, hasher)
     assert moved.block_hashes[0] != first
+
+
+def test_stats_name_the_adapters_with_requests_as_vllm_does():
+    """vLLM 0.32 fills both dicts with every adapter that has a request in flight (the
+    counts say where they are); vllm:lora_requests_info's labels are their keys."""
+    s = make(max_loras=1)
+    for rid, adapter in (("a1", "a"), ("b1", "b"), ("a2", "a"), ("base", None)):
+        s.add_request(req(rid, adapter))
+    stats = s.get_stats()
+    assert stats.running_lora_adapters == {"a": 0, "b": 0}
+    assert stats.waiting_lora_adapters == {"a": 2, "b": 1}
+    run_step(s)
+    stats = s.get_stats()
+    assert stats.running_lora_adapters == {"a": 2, "b": 0}
+    assert stats.waiting_lora_adapters == {"a": 0, "b": 1}
+    assert make(enable=False).get_stats().running_lora_adapters == {}
