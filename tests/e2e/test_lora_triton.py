@@ -135,3 +135,37 @@ def test_bad_lora_setups_fail_the_load_naming_why(lora_env):
         "no_multi_lora": ["enable_lora is true", "multi_lora.json does not exist"],
         "bad_rank": ["LoRA adapter 'beta'", "rank 16", "greater than max_lora_rank 8"],
     })
+
+
+def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected):
+    """vLLM's --lora-modules: /v1/models lists the base and the adapters, `model` picks one."""
+    import types
+
+    import openai
+    import tritonclient.grpc as grpcclient
+
+    from tests.e2e.test_openai_frontend import start_frontend, stop_frontend
+
+    server = lora_env["server"]
+    shim = types.SimpleNamespace(grpc=server.grpc_url, metrics=server.metrics_url,
+                                 model_dir=lora_env["tiny"])
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "lora_model"):
+        process, url = start_frontend(shim, "--model", "lora_model", "--lora-modules",
+                                      f"alpha={lora_env['alpha']}",
+                                      json.dumps({"name": "beta", "path": lora_env["beta"]}))
+        try:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            cards = {m.id: m for m in api.models.list().data}
+            assert list(cards) == ["tiny-llama", "alpha", "beta"]
+            assert cards["alpha"].root == lora_env["alpha"]
+            assert cards["alpha"].parent == "tiny-llama"
+            for name in ("tiny-llama", "alpha", "beta"):
+                got = api.completions.create(model=name, prompt=PROMPT, max_tokens=12,
+                                             temperature=0, extra_body={"ignore_eos": True})
+                assert got.model == name
+                assert got.choices[0].text == expected[None if name == "tiny-llama" else name]
+            with pytest.raises(openai.NotFoundError):
+                api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+        finally:
+            stop_frontend(process)
