@@ -64,3 +64,16 @@ def test_lora_name_rides_in_sampling_parameters_or_request_parameters():
     assert parse_llm_request(prompt_tensors({})).lora_name is None
     with pytest.raises(InvalidRequest, match="lora_name must be a non-empty string"):
         parse_llm_request(prompt_tensors({"lora_name": 3}))
+
+
+def test_token_model_takes_lora_name_as_an_input():
+    from backend.token_request_parsing import parse_token_request
+
+    inputs = {"input_ids": np.array([[5, 6, 7]], dtype=np.int32),
+              "request_output_len": np.array([[8]], dtype=np.int32)}
+    assert parse_token_request(inputs).lora_name is None
+    named = {**inputs, "lora_name": np.array([[b"alpaca"]], dtype=np.object_)}
+    assert parse_token_request(named).lora_name == "alpaca"
+    # An ensemble client that fills every input sends "" for the base model.
+    empty = {**inputs, "lora_name": np.array([[b""]], dtype=np.object_)}
+    assert parse_token_request(empty).lora_name is None

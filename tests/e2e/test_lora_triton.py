@@ -5,6 +5,7 @@ enable_lora / max_lora_rank and multi_lora.json beside it in the version folder.
   text, the same as the offline engine with that LoRARequest (the engine's own tests hold
   it to HF + peft); a bad name is refused INVALID_ARG naming it while the requests sent
   with it finish unharmed.
+- ensemble: the TensorRT-LLM-style ensemble passes `lora_name` to the token model.
 - no_multi_lora / bad_rank: enable_lora without multi_lora.json, or an adapter above
   max_lora_rank, fail that model's load naming the file or the adapter."""
 from __future__ import annotations
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.slow
 CONFIG = 'backend: "tle"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
 METRICS_ON = 'parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
 PROMPT = "The capital of France is"
-SAMPLING = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
+SAMPLING = {"max_tokens": 12, "temperature": 0}
 
 
 def _model(repo, name, model_json, multi_lora=None, config=CONFIG):
@@ -53,6 +54,24 @@ def lora_env(tmp_path_factory, tiny_model_dir):
     _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
     _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
            {"alpha": str(alpha), "beta": str(beta)})
+    # The TensorRT-LLM-style ensemble over a token model with the same adapters.
+    from backend.repository_layout import copy_repository
+    from backend.triton_server import REPO_ROOT
+
+    copy_repository(REPO_ROOT / "model_repository", repo,
+                    models=["tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
+                    params={"tensorrt_llm": {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS,
+                                             "enable_lora": "true", "max_lora_rank": "16",
+                                             "max_loras": "2"},
+                            "preprocessing": {"tokenizer": str(tiny_model_dir)},
+                            "postprocessing": {"tokenizer": str(tiny_model_dir)}})
+    (repo / "tensorrt_llm" / "1" / "multi_lora.json").write_text(
+        json.dumps({"alpha": str(alpha), "beta": str(beta)}))
+    # A `backend: "python"` model.py imports an installed copy of the package before the
+    # PYTHONPATH checkout (the tle backend's model.py puts PYTHONPATH first; this does too).
+    model_py = repo / "tensorrt_llm" / "1" / "model.py"
+    model_py.write_text("import os, sys\nsys.path[:0] = [p for p in os.environ.get('PYTHONPATH', '')"
+                        ".split(os.pathsep) if p and p not in sys.path]\n" + model_py.read_text())
     with running_server(repo, work, timeout=300) as handle:
         yield dict(server=handle, tiny=str(tiny_model_dir), alpha=str(alpha), beta=str(beta))
 
@@ -63,7 +82,7 @@ def expected(lora_env):
 
     args = {k: v for k, v in TINY_ENGINE_ARGS.items()}
     llm = LLM(lora_env["tiny"], enable_lora=True, max_lora_rank=16, max_loras=2, **args)
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12)
     loras = {None: None, "alpha": LoRARequest("alpha", 1, lora_env["alpha"]),
              "beta": LoRARequest("beta", 2, lora_env["beta"])}
     texts = {name: llm.generate([PROMPT], params, use_tqdm=False, lora_request=lora)[0]
@@ -162,10 +181,30 @@ def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected):
             assert cards["alpha"].parent == "tiny-llama"
             for name in ("tiny-llama", "alpha", "beta"):
                 got = api.completions.create(model=name, prompt=PROMPT, max_tokens=12,
-                                             temperature=0, extra_body={"ignore_eos": True})
+                                             temperature=0)
                 assert got.model == name
                 assert got.choices[0].text == expected[None if name == "tiny-llama" else name]
             with pytest.raises(openai.NotFoundError):
                 api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
         finally:
             stop_frontend(process)
+
+
+def test_ensemble_clients_send_lora_name(lora_env, expected):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tests.e2e.triton_clients import ensemble_inputs
+
+    server = lora_env["server"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "ensemble"):
+        for name in ("alpha", "beta", None):
+            extra = {} if name is None else {"lora_name": np.array([[name.encode()]], dtype=np.object_)}
+            out = infer_one(server.grpc_url, "ensemble", ensemble_inputs(
+                PROMPT, 12, stream=True, exclude_input_in_output=np.array([[True]]), **extra))
+            assert out.error is None, out.error
+            assert out.text == expected[name], name
+        bad = infer_one(server.grpc_url, "ensemble", ensemble_inputs(
+            PROMPT, 4, lora_name=np.array([[b"nosuch"]], dtype=np.object_)))
+        assert bad.error is not None and "'nosuch'" in bad.error
