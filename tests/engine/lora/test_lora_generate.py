@@ -122,3 +122,18 @@ def test_one_adapter_slot_and_one_loaded_adapter_still_match_peft(setup):
     assert token_ids(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
     assert max(len(s) for s in seen) == 1 and {1, 2} == set().union(*seen)
     assert engine.lora.registry.num_loads > 2
+
+
+def test_the_request_trace_names_the_adapter(setup, tmp_path):
+    import json
+
+    path = tmp_path / "trace.jsonl"
+    llm = LLM(setup["base"], dtype="float32", num_kv_blocks=64, max_model_len=64,
+              enable_lora=True, max_lora_rank=16, trace_path=str(path))
+    prompt = setup["ids"][0]
+    llm.generate([prompt, prompt], GREEDY, use_tqdm=False,
+                 lora_request=[setup["requests"]["full"], None])
+    llm.llm_engine.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert sorted(str(r["lora_name"]) for r in records if r["type"] == "request") \
+        == ["None", "full"]
