@@ -42,7 +42,10 @@ class EngineModel:
             log=lambda line: triton_io.log_info(f"{self.model_name}: {line}"))
         engine_config = place_instance(engine_config, args)
         # As vllm_backend: enable_lora needs multi_lora.json (adapter name -> folder).
-        self.lora_adapters = read_multi_lora(version_dir) if engine_config.lora.enable_lora else None
+        if self.options.lora_modules and not engine_config.lora.enable_lora:
+            raise ValueError("parameter 'lora_modules' needs enable_lora=true")
+        self.lora_adapters = (read_multi_lora(version_dir, self.options.lora_modules)
+                              if engine_config.lora.enable_lora else None)
         self.input_names = triton_io.input_names(config)
         from engine import LLMEngine  # heavy (torch); after the cheap checks
 

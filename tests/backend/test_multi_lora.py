@@ -77,3 +77,21 @@ def test_token_model_takes_lora_name_as_an_input():
     # An ensemble client that fills every input sends "" for the base model.
     empty = {**inputs, "lora_name": np.array([[b""]], dtype=np.object_)}
     assert parse_token_request(empty).lora_name is None
+
+
+def test_config_pbtxt_parameter_lora_modules(tmp_path):
+    from backend.config_params import split_parameters
+
+    config, options = split_parameters({"enable_lora": "true",
+                                        "lora_modules": "sql=/loras/sql chat=rel/chat"})
+    assert config.lora.enable_lora and options.lora_modules
+    adapters = read_multi_lora(tmp_path, options.lora_modules)
+    assert [(a.lora_name, a.lora_int_id, a.lora_path) for a in adapters.values()] == [
+        ("sql", 1, "/loras/sql"), ("chat", 2, str(tmp_path / "rel/chat"))]
+    with pytest.raises(ValueError, match="expected name=path entries, got 'oops'"):
+        read_multi_lora(tmp_path, "sql=/a oops")
+    with pytest.raises(ValueError, match="'sql' is listed twice"):
+        read_multi_lora(tmp_path, "sql=/a sql=/b")
+    write(tmp_path, {"x": "/x"})
+    with pytest.raises(ValueError, match="adapters are given twice"):
+        read_multi_lora(tmp_path, "sql=/a")

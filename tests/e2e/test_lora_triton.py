@@ -54,6 +54,18 @@ def lora_env(tmp_path_factory, tiny_model_dir):
     _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
     _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
            {"alpha": str(alpha), "beta": str(beta)})
+    # The adapters from config.pbtxt parameters alone (what scripts/serve.py --lora-modules
+    # writes), and that parameter without enable_lora.
+    pbtxt = CONFIG + "".join(
+        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in
+        {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enable_lora": "true",
+         "max_lora_rank": "16", "lora_modules": f"beta={beta}"}.items())
+    (repo / "pbtxt_lora" / "1").mkdir(parents=True)
+    (repo / "pbtxt_lora" / "config.pbtxt").write_text(pbtxt)
+    (repo / "lora_off" / "1").mkdir(parents=True)
+    (repo / "lora_off" / "config.pbtxt").write_text(pbtxt.replace(
+        'key: "enable_lora" value: { string_value: "true" }',
+        'key: "enable_lora" value: { string_value: "false" }'))
     # The TensorRT-LLM-style ensemble over a token model with the same adapters.
     from backend.repository_layout import copy_repository
     from backend.triton_server import REPO_ROOT
@@ -153,7 +165,19 @@ def test_bad_lora_setups_fail_the_load_naming_why(lora_env):
     assert_loads_fail(client, {
         "no_multi_lora": ["enable_lora is true", "multi_lora.json does not exist"],
         "bad_rank": ["LoRA adapter 'beta'", "rank 16", "greater than max_lora_rank 8"],
+        "lora_off": ["parameter 'lora_modules' needs enable_lora=true"],
     })
+
+
+def test_adapters_from_config_pbtxt_parameters(lora_env, expected):
+    import tritonclient.grpc as grpcclient
+
+    server = lora_env["server"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "pbtxt_lora"):
+        out = infer_one(server.grpc_url, "pbtxt_lora", llm_inputs(
+            PROMPT, {**SAMPLING, "lora_name": "beta"}, exclude_input_in_output=True))
+        assert out.error is None and out.text == expected["beta"]
 
 
 def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected):
