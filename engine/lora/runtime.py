@@ -22,6 +22,10 @@ class LoRARuntime:
         self.dtype = dtype
         self.device = device
         self.batch, self.targets = attach_lora(model)
+        # The native all-layers decode of one sequence reads the base weights past the
+        # wrappers: it may run only in steps without adapter rows.
+        self._decoder = model.model
+        self._fused_decode = model.model.fused_single_decode
         self.registry = LoRARegistry(self._load, config.max_cpu_loras)
 
     def _load(self, request: LoRARequest) -> LoRAAdapter:
@@ -57,6 +61,7 @@ class LoRARuntime:
                 rows = torch.cat([torch.arange(a, b) for a, b in runs]).to(self.device)
             groups.append(LoRAGroup(rows, adapters[key].modules))
         self.batch.groups = groups
+        self._decoder.fused_single_decode = self._fused_decode and not groups
 
     def clear_step(self) -> None:
         self.batch.groups = []

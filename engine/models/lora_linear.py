@@ -63,6 +63,11 @@ class LoRALinear(nn.Module):
         self.name = name
         self.batch = batch
 
+    def kernel_weight(self):
+        # The native single-sequence decode reads the base weights; the runtime lets it
+        # run only in steps without adapter rows.
+        return self.base.kernel_weight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base.forward(x)
         for group in self.batch.groups:
@@ -77,8 +82,6 @@ def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
     wrapped layer (by module name) is made of, for the adapter loader to check against."""
     batch = LoRABatch()
     targets: dict[str, LoRATarget] = {}
-    # The native all-layers decode reads the base weights directly, past the wrappers.
-    model.model.fused_single_decode = False
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         q = attn.num_heads * attn.head_dim
