@@ -112,11 +112,15 @@ class EngineModel:
         return engine
 
     def lora_request(self, lora_name: str):
-        """The adapter a request's lora_name selects; InvalidRequest naming it if none."""
+        """The adapter a request's lora_name selects; InvalidRequest naming it if none.
+        An adapter dropped past max_cpu_loras has its files read here, on Triton's
+        thread, so the engine thread only builds its tensors."""
         try:
-            return resolve_lora_name(self.lora_adapters, lora_name)
+            adapter = resolve_lora_name(self.lora_adapters, lora_name)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
+        self.engine.lora.stage(adapter)
+        return adapter
 
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
         """Read and check one Triton request, on Triton's execute thread, and return what

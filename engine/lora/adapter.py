@@ -34,18 +34,45 @@ class LoRAAdapter:
     modules: dict[str, ModuleLoRA]  # by wrapped layer name
 
 
-def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> LoRAAdapter:
-    name = request.lora_name
+@dataclass(frozen=True, slots=True)
+class AdapterFiles:
+    """An adapter folder as read from disk, before any tensor exists: the file reads can
+    then happen on any thread, the torch work on the engine's."""
+    config: dict
+    weights: bytes  # adapter_model.safetensors
 
+
+def _failure(request: LoRARequest):
     def fail(reason: str) -> LoRAAdapterError:
-        return LoRAAdapterError(f"LoRA adapter {name!r} ({request.lora_path}): {reason}")
+        return LoRAAdapterError(f"LoRA adapter {request.lora_name!r} ({request.lora_path}): "
+                                f"{reason}")
+    return fail
 
+
+def read_adapter_files(request: LoRARequest) -> AdapterFiles:
+    """Pure file reads (no torch); raises LoRAAdapterError naming the adapter."""
+    fail = _failure(request)
     folder = Path(request.lora_path)
     if not folder.is_dir():
         raise fail("folder does not exist")
     config = _read_config(folder, fail)
-    weights = _read_weights(folder, fail)
+    path = folder / WEIGHTS_FILE
+    if not path.is_file():
+        raise fail(f"no {WEIGHTS_FILE}")
+    try:
+        return AdapterFiles(config, path.read_bytes())
+    except OSError as exc:
+        raise fail(f"{WEIGHTS_FILE} is not readable: {exc}") from None
+
+
+def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_rank: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu",
+                 files: AdapterFiles | None = None) -> LoRAAdapter:
+    """`files`: already read (LoRARegistry.stage); None reads them now."""
+    fail = _failure(request)
+    files = files or read_adapter_files(request)
+    config = files.config
+    weights = _parse_weights(files.weights, fail)
     fused = _fused_names(targets)
     projections = {module.rsplit(".", 1)[1] for module in fused}
     listed = config.get("target_modules")
@@ -79,7 +106,8 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_lora_
         by_layer.setdefault(layer, {})[part] = (a, b, _scaling(config, hf_module, rank))
     modules = {layer: _stack(targets[layer], parts, dtype, device)
                for layer, parts in by_layer.items()}
-    return LoRAAdapter(name, request.lora_int_id, request.lora_path, max_rank, modules)
+    return LoRAAdapter(request.lora_name, request.lora_int_id, request.lora_path, max_rank,
+                       modules)
 
 
 def _read_config(folder: Path, fail) -> dict:
@@ -110,16 +138,13 @@ def _read_config(folder: Path, fail) -> dict:
     return config
 
 
-def _read_weights(folder: Path, fail) -> dict[str, torch.Tensor]:
+def _parse_weights(data: bytes, fail) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
-    path = folder / WEIGHTS_FILE
-    if not path.is_file():
-        raise fail(f"no {WEIGHTS_FILE}")
     try:
-        return load_file(str(path))
-    except (OSError, SafetensorError) as exc:
+        return load(data)
+    except (SafetensorError, ValueError) as exc:
         raise fail(f"{WEIGHTS_FILE} is not readable: {exc}") from None
 
 

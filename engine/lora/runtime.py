@@ -9,7 +9,7 @@ from torch import nn
 
 from engine.config import LoRAConfig
 from engine.core.request import Request
-from engine.lora.adapter import LoRAAdapter, load_adapter
+from engine.lora.adapter import AdapterFiles, LoRAAdapter, load_adapter
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.lora_linear import LoRAGroup, attach_lora
@@ -28,12 +28,16 @@ class LoRARuntime:
         self._fused_decode = model.model.fused_single_decode
         self.registry = LoRARegistry(self._load, config.max_cpu_loras)
 
-    def _load(self, request: LoRARequest) -> LoRAAdapter:
+    def _load(self, request: LoRARequest, files: AdapterFiles | None) -> LoRAAdapter:
         return load_adapter(request, self.targets, self.config.max_lora_rank, self.dtype,
-                            self.device)
+                            self.device, files)
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         return self.registry.get(request)
+
+    def stage(self, request: LoRARequest) -> None:
+        """Any thread: read a not-loaded adapter's files ahead of the engine thread."""
+        self.registry.stage(request)
 
     def set_step(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> None:
         """Group the step's token rows (requests in batch order, `num_tokens` rows each)

@@ -122,7 +122,7 @@ class _Loaded:
 def test_registry_drops_the_least_recently_used_and_reloads_on_demand():
     loads = []
 
-    def load(request):
+    def load(request, files):
         loads.append(request.lora_name)
         return _Loaded(request)
 
@@ -136,3 +136,41 @@ def test_registry_drops_the_least_recently_used_and_reloads_on_demand():
     assert registry.loaded_ids() == [3, 2]
     with pytest.raises(ValueError, match="lora_int_id 1 already names adapter 'a'"):
         registry.get(LoRARequest("z", 1, "/z"))
+
+
+def test_staged_files_are_built_without_reading_the_folder_again(env):
+    """stage() (the backend calls it on Triton's thread) reads the files; the engine
+    thread's load then builds from them: here the folder is gone by then."""
+    folder = env["root"] / "staged"
+    shutil.copytree(env["good"], folder)
+    request = LoRARequest("staged", 7, str(folder))
+    llm = env["llm"]
+    want = llm.generate(["hello"], GREEDY, use_tqdm=False,
+                        lora_request=LoRARequest("good", 1, str(env["good"])))
+    llm.llm_engine.lora.stage(request)
+    shutil.rmtree(folder)
+    got = llm.generate(["hello"], GREEDY, use_tqdm=False, lora_request=request)
+    # The same weights as "good" under another id: the same tokens.
+    assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
+    # A folder that cannot be read stages nothing; the load then reports it.
+    missing = LoRARequest("missing", 8, str(env["root"] / "absent"))
+    llm.llm_engine.lora.stage(missing)
+    with pytest.raises(ValueError, match="'missing'.*folder does not exist"):
+        llm.generate(["hello"], GREEDY, use_tqdm=False, lora_request=missing)
+
+
+def test_registry_keeps_at_most_capacity_staged_reads():
+    reads = []
+
+    def read(request):
+        reads.append(request.lora_name)
+        return request.lora_name
+
+    built = []
+    registry = LoRARegistry(lambda request, files: built.append(files) or _Loaded(request),
+                            capacity=1, read=read)
+    a, b = LoRARequest("a", 1, "/a"), LoRARequest("b", 2, "/b")
+    registry.stage(a), registry.stage(a), registry.stage(b)  # b pushes a out
+    assert reads == ["a", "b"]
+    registry.get(b), registry.get(a)
+    assert built == ["b", None]  # a was no longer staged: get() read it itself
