@@ -35,6 +35,9 @@ class BlockStored:
     token_ids: list[int]
     block_size: int
     medium: str = MEDIUM
+    # vLLM's: the request's LoRA adapter (id, deprecated there, and name); None: the base.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

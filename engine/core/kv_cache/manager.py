@@ -115,6 +115,7 @@ class KVCacheManager:
         """One BlockStored per run of hashes new to the cache; a duplicate breaks the
         run, and the next run names it as parent (it is cached, by its first copy)."""
         pool, bs, tokens = self.block_pool, self.block_size, request.all_token_ids
+        lora = request.lora_request
         run_start = None
         for i in range(start, stop + 1):
             stored = i < stop and pool.cache_block(blocks[i], hashes[i])
@@ -124,7 +125,9 @@ class KVCacheManager:
                 pool.events.append(BlockStored(
                     block_hashes=hashes[run_start:i],
                     parent_block_hash=hashes[run_start - 1] if run_start else None,
-                    token_ids=list(tokens[run_start * bs:i * bs]), block_size=bs))
+                    token_ids=list(tokens[run_start * bs:i * bs]), block_size=bs,
+                    lora_id=None if lora is None else lora.lora_int_id,
+                    lora_name=None if lora is None else lora.lora_name))
                 run_start = None
 
     def take_events(self) -> list[KVCacheEvent]:

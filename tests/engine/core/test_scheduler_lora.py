@@ -108,3 +108,20 @@ def test_stats_name_the_adapters_with_requests_as_vllm_does():
     assert stats.running_lora_adapters == {"a": 2, "b": 0}
     assert stats.waiting_lora_adapters == {"a": 0, "b": 1}
     assert make(enable=False).get_stats().running_lora_adapters == {}
+
+
+def test_kv_events_carry_the_adapter_as_vllm_does():
+    """vLLM 0.32's BlockStored names the adapter (lora_id, deprecated there, and
+    lora_name); a base-model block leaves both out."""
+    from engine.core.kv_cache.publisher import encode_batch
+    from tests.engine.core.kv_cache.test_kv_events import _vllm_message_types
+
+    decoder, BlockStored = _vllm_message_types()
+    s = Scheduler(SchedulerConfig(max_model_len=512), CacheConfig(num_kv_blocks=50, block_size=16),
+                  enable_kv_events=True, lora_config=LoRAConfig(enable_lora=True, max_loras=2))
+    s.add_request(req("a1", "b", n=40))
+    s.add_request(req("base", None, n=40))
+    run_step(s)
+    batch = decoder.decode(encode_batch(1.0, s.kv_cache_manager.take_events()))
+    stored = [e for e in batch.events if isinstance(e, BlockStored)]
+    assert [(e.lora_id, e.lora_name) for e in stored] == [(2, "b"), (None, None)]
