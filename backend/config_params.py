@@ -25,6 +25,8 @@ class BackendOptions:
     # vllm_backend's ENABLE_VLLM_HEALTH_CHECK: once the engine thread has died the model
     # asks Triton to unload it (needs --model-control-mode=explicit), so /ready says no.
     enable_health_check: bool = False
+    # With enable_lora, instead of multi_lora.json: vLLM's `name=path` entries, spaces apart.
+    lora_modules: str = ""
 
 
 # config.pbtxt key -> BackendOptions field; every number among them must be >= 0.
@@ -34,6 +36,7 @@ _BACKEND_KEYS = {
     "DRAIN_TIMEOUT_S": "drain_timeout_s",
     "MAX_QUEUE_LEN": "max_queue_len",
     "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
+    "lora_modules": "lora_modules",
 }
 _OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}
 
@@ -52,7 +55,7 @@ def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = N
         attr = _BACKEND_KEYS[key]
         name = f"parameter {key!r}"
         option = convert(name, value, _OPTION_KINDS[attr])
-        if not isinstance(option, bool) and option < 0:
+        if isinstance(option, (int, float)) and not isinstance(option, bool) and option < 0:
             raise ValueError(f"{name} must be >= 0, got {value!r}")
         setattr(options, attr, option)
     if model_json is None:

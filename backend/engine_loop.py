@@ -198,7 +198,8 @@ class EngineLoop:
         try:
             # Triton's arrival: the engine's queue time then counts the inbox too.
             self.engine.add_request(request.request_id, request.prompt, request.params,
-                                    priority=request.priority, arrival_time=request.arrival)
+                                    priority=request.priority, arrival_time=request.arrival,
+                                    lora_request=request.lora_request)
         except ValueError as exc:
             self._worker.send_error(request.sender, str(exc), triton_io.INVALID_ARG)
             return

@@ -17,6 +17,7 @@ from backend.instance import place_instance
 from backend.inflight import Inflight
 from backend.metrics import NullMetrics, TritonMetrics
 from backend.model_json import read_model_json
+from backend.multi_lora import read_multi_lora, resolve_lora_name
 from backend.request_parsing import InvalidRequest
 from backend.response_worker import ResponseWorker
 from engine.faults import take_fault_parameters
@@ -32,13 +33,19 @@ class EngineModel:
                              "{ decoupled: true }")
         self.model_name = args["model_name"]
         # args["model_repository"] is this model's folder; model.json sits in the version's.
-        model_json = read_model_json(Path(args["model_repository"]) / str(args["model_version"]))
+        version_dir = Path(args["model_repository"]) / str(args["model_version"])
+        model_json = read_model_json(version_dir)
         # A test model's failure switches (engine/faults.py); never engine arguments.
         faults, params = take_fault_parameters(triton_io.model_parameters(config))
         engine_config, self.options = split_parameters(
             params, model_json,
             log=lambda line: triton_io.log_info(f"{self.model_name}: {line}"))
         engine_config = place_instance(engine_config, args)
+        # As vllm_backend: enable_lora needs multi_lora.json (adapter name -> folder).
+        if self.options.lora_modules and not engine_config.lora.enable_lora:
+            raise ValueError("parameter 'lora_modules' needs enable_lora=true")
+        self.lora_adapters = (read_multi_lora(version_dir, self.options.lora_modules)
+                              if engine_config.lora.enable_lora else None)
         self.input_names = triton_io.input_names(config)
         from engine import LLMEngine  # heavy (torch); after the cheap checks
 
@@ -48,7 +55,8 @@ class EngineModel:
                    if self.options.report_custom_metrics else NullMetrics())
         self._worker = ResponseWorker(metrics)
         try:
-            self._loop = EngineLoop(lambda: LLMEngine(engine_config, faults=faults), self._worker,
+            self._loop = EngineLoop(lambda: self._build_engine(LLMEngine, engine_config, faults),
+                                    self._worker,
                                     collect_metrics=self.options.report_custom_metrics,
                                     max_queue_len=self.options.max_queue_len,
                                     fail_at_step=faults.loop_step,
@@ -61,8 +69,10 @@ class EngineModel:
         cache = self.engine.config.cache
         # Through the sender thread, which owns every call into Triton once it runs.
         max_model_len = self.engine.config.scheduler.max_model_len
-        self._worker.call(lambda: metrics.engine_ready(cache.block_size, cache.num_kv_blocks,
-                                                       max_model_len))
+        lora = self.engine.config.lora
+        self._worker.call(lambda: metrics.engine_ready(
+            cache.block_size, cache.num_kv_blocks, max_model_len,
+            max_loras=lora.max_loras if lora.enable_lora else None))
         self._ids = itertools.count()
         triton_io.log_info(f"{self.model_name}: engine ready in {time.monotonic() - started:.1f} s "
                            f"({engine_config.model or 'embedded SmolLM2-135M-Instruct'})")
@@ -87,6 +97,30 @@ class EngineModel:
                 continue
             self._loop.submit(inflight)
         return None
+
+    def _build_engine(self, engine_cls, config, faults):
+        """On the engine thread. Every multi_lora.json adapter is loaded once, so a bad one
+        fails the model load naming it (past max_cpu_loras the least recently used are
+        dropped again and reloaded on demand)."""
+        engine = engine_cls(config, faults=faults)
+        try:
+            for adapter in (self.lora_adapters or {}).values():
+                engine.lora.adapter(adapter)
+        except BaseException:
+            engine.close()
+            raise
+        return engine
+
+    def lora_request(self, lora_name: str):
+        """The adapter a request's lora_name selects; InvalidRequest naming it if none.
+        An adapter dropped past max_cpu_loras has its files read here, on Triton's
+        thread, so the engine thread only builds its tensors."""
+        try:
+            adapter = resolve_lora_name(self.lora_adapters, lora_name)
+        except ValueError as exc:
+            raise InvalidRequest(str(exc)) from None
+        self.engine.lora.stage(adapter)
+        return adapter
 
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
         """Read and check one Triton request, on Triton's execute thread, and return what

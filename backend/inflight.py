@@ -8,6 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.metrics import FinishedRequest, StepMetrics
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class Inflight:
     build: Callable[[RequestOutput], dict[str, np.ndarray] | None]
     arrival: float
     priority: int = 0  # lower is served first under policy=priority
+    lora_request: LoRARequest | None = None  # None: the base model
     ttft_recorded: bool = False
     # Tokens generated so far, per sequence (each output's deltas: every output kind
     # carries them, and the engine never sends a token twice).

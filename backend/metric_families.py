@@ -135,3 +135,9 @@ BY_NAME = {family.name: family for family in FAMILIES}
 # vLLM's info gauge: value 1, the KV cache's shape in its labels. Routers (the Gateway API
 # inference extension's endpoint picker, llm-d) size a server's KV capacity from it.
 CACHE_CONFIG_INFO = Family("vllm:cache_config_info", GAUGE, "Information of the LLMEngine CacheConfig")
+
+# enable_lora only, as vLLM registers it only with a LoRA config: an info gauge whose
+# value is the Unix time of the latest update and whose labels name the adapters with
+# requests in flight. llm-d's endpoint picker reads the newest series for LoRA affinity.
+LORA_REQUESTS_INFO = Family("vllm:lora_requests_info", GAUGE, "Running stats on lora requests.")
+LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")

@@ -6,11 +6,19 @@ calls these directly: it collects one StepMetrics per step and the response work
 thread records it."""
 from __future__ import annotations
 
+import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
 from backend.metric_families import (BY_NAME, CACHE_CONFIG_INFO, COUNTER, FAMILIES, GAUGE,
-                                     REQUEST_TOKENS, Family, token_buckets)
+                                     LORA_REQUESTS_INFO, REQUEST_TOKENS, Family, token_buckets)
+
+# vllm:lora_requests_info keeps a series per label combination seen, as prometheus_client
+# does for vLLM; past this many the oldest are dropped (Triton removes a dropped Metric).
+_MAX_LORA_SERIES = 256
+# The newest series' value is refreshed at most this often while its labels stay the same.
+_LORA_INFO_REFRESH_S = 1.0
 
 # The engine's cumulative counters (EngineStats fields), mirrored by adding the increase
 # since the previous step. vLLM counts the device prefix-cache hits by source too.
@@ -83,7 +91,8 @@ class NullMetrics:
     def record(self, step: StepMetrics) -> None:
         pass
 
-    def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int) -> None:
+    def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int,
+                     max_loras: int | None = None) -> None:
         pass
 
 
@@ -108,6 +117,12 @@ class TritonMetrics:
             series.set(1 if state == "awake" else 0)
         self._last_gauge: dict[str, float] = {}
         self._last_counter: dict[str, float] = {attr: 0 for attr in _STAT_COUNTERS}
+        # enable_lora: vllm:lora_requests_info's family, its series by label values, and
+        # the labels and time of the latest update.
+        self._lora_family: Any = None
+        self._max_loras = 0
+        self._lora_series: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._lora_last: tuple[tuple[str, str], float] | None = None
 
     def _add(self, family: Family, buckets: list[float] | None = None,
              labels: dict[str, str] | None = None) -> Any:
@@ -127,7 +142,8 @@ class TritonMetrics:
         self._series[family.name] = series
         return series
 
-    def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int) -> None:
+    def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int,
+                     max_loras: int | None = None) -> None:
         """Once, when the engine is built: the pool's size and the context length (the
         token histograms' edges) are known only then. vLLM names the pool's block count
         num_gpu_blocks whatever the device, so the label does too."""
@@ -140,6 +156,11 @@ class TritonMetrics:
         info = self._add(CACHE_CONFIG_INFO, labels={**labels, "block_size": str(block_size),
                                                     "num_gpu_blocks": str(num_gpu_blocks)})
         info.set(1)
+        if max_loras is not None:
+            self._max_loras = max_loras
+            self._lora_family = self._kinds(name=LORA_REQUESTS_INFO.name,
+                                            description=LORA_REQUESTS_INFO.description,
+                                            kind=self._kinds.GAUGE)
 
     def _one(self, name: str, value: str | None = None) -> Any:
         series = self._series[name]
@@ -163,7 +184,31 @@ class TritonMetrics:
         self._increment("vllm:admission_rejections_total", step.num_rejected, "max_num_queued_reqs")
         self._increment("vllm:request_success_total", step.num_cancelled, "abort")
 
+    def _record_lora_info(self, stats: Any) -> None:
+        """vLLM's labels: the adapters joined by commas; the value: now, as vLLM's
+        set_to_current_time, so a reader takes the series updated last."""
+        key = (",".join(stats.waiting_lora_adapters), ",".join(stats.running_lora_adapters))
+        now = time.time()
+        last = self._lora_last
+        if last is not None and last[0] == key and now - last[1] < _LORA_INFO_REFRESH_S:
+            return
+        series = self._lora_series.get(key)
+        if series is None:
+            labels = {key_: value for key_, value in self._labels.items() if key_ != "model_name"}
+            series = self._lora_family.Metric(labels={
+                **labels, "max_lora": str(self._max_loras), "waiting_lora_adapters": key[0],
+                "running_lora_adapters": key[1]})
+            self._lora_series[key] = series
+            while len(self._lora_series) > _MAX_LORA_SERIES:
+                self._lora_series.popitem(last=False)
+        else:
+            self._lora_series.move_to_end(key)
+        series.set(now)
+        self._lora_last = (key, now)
+
     def _record_stats(self, stats: Any) -> None:
+        if self._lora_family is not None:
+            self._record_lora_info(stats)
         for attr, targets in _STAT_GAUGES.items():
             value = float(getattr(stats, attr))
             if self._last_gauge.get(attr) != value:

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from backend import vllm_engine_args as vllm
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
+from engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from engine.values import to_bool
 
 FILE_NAME = "model.json"
-_OWN_NAMES = frozenset(f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig)
-                       for f in dataclasses.fields(cls)) - {"scheduler", "cache"}
+_OWN_NAMES = frozenset(f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig, LoRAConfig)
+                       for f in dataclasses.fields(cls)) - {"scheduler", "cache", "lora"}
 
 
 @dataclass(slots=True)

@@ -66,6 +66,8 @@ class LLMRequest:
     # vLLM's switch of the same name: a text prompt gets the tokenizer's special tokens
     # (BOS), a rendered chat prompt already holds them (vLLM's chat default is False).
     add_special_tokens: bool = True
+    # vllm_backend's per-request adapter (a multi_lora.json name); None: the base model.
+    lora_name: str | None = None
 
 
 def stream_output_kind(stream: bool) -> RequestOutputKind:
@@ -91,6 +93,15 @@ def parse_priority(value: Any) -> int:
     if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise InvalidRequest(f"priority must be a 32-bit integer, got {priority}")
     return priority
+
+
+def parse_lora_name(value: Any) -> str | None:
+    """vllm_backend reads lora_name out of sampling_parameters; null or absent: the base."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise InvalidRequest(f"lora_name must be a non-empty string, got {value!r}")
+    return value
 
 
 def to_bool(name: str, value: Any) -> bool:
@@ -220,7 +231,9 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if (value := scalar("priority", inputs.get("priority"))) is not None:
         priority = parse_priority(value)
     add_special = to_bool(_ADD_SPECIAL_TOKENS, sampling.get(_ADD_SPECIAL_TOKENS, True))
-    params = parse_sampling_parameters(sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS))
+    lora_name = parse_lora_name(sampling.get("lora_name"))
+    params = parse_sampling_parameters(sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS,
+                                                         "lora_name"))
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)
@@ -233,4 +246,4 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:
         # Logprobs of the sampled token cost nothing extra; asking for them is implied.
         params.logprobs = 0
-    return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special)
+    return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special, lora_name)

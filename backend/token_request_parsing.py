@@ -10,7 +10,8 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from backend.request_parsing import (InvalidRequest, parse_priority, scalar, stream_output_kind,
+from backend.request_parsing import (InvalidRequest, decode_text, parse_lora_name, parse_priority,
+                                     scalar, stream_output_kind,
                                      to_bool)
 from engine.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class TokenRequest:
     exclude_input_in_output: bool
     end_id: int | None
     priority: int = 0
+    lora_name: str | None = None  # a multi_lora.json name; None: the base model
 
 
 def words_from_trtllm_list(name: str, array: np.ndarray | None) -> list[list[int]]:
@@ -110,5 +112,7 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
     exclude = (to_bool("exclude_input_in_output", v)
                if (v := _opt(inputs, "exclude_input_in_output")) is not None else False)
     priority = parse_priority(v) if (v := _opt(inputs, "priority")) is not None else 0
+    lora = _opt(inputs, "lora_name")
+    lora_name = None if lora is None else parse_lora_name(decode_text("lora_name", lora) or None)
     return TokenRequest(prompt, params, stream, exclude, None if end_id is None else int(end_id),
-                        priority)
+                        priority, lora_name)

@@ -31,6 +31,11 @@ RENAMED = {
     "prefix_caching_hash_algo": "prefix_caching_hash_algo",  # vLLM's four, and builtin
     "kv_events_config": "kv_events_config",  # vLLM's KVEventsConfig fields
     "stream_interval": "stream_interval",  # vLLM >= 0.11; every engine model here
+    # The adapters themselves: multi_lora.json beside model.json (backend/multi_lora.py).
+    "enable_lora": "enable_lora",
+    "max_loras": "max_loras",
+    "max_lora_rank": "max_lora_rank",
+    "max_cpu_loras": "max_cpu_loras",
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -60,8 +65,8 @@ NO_EFFECT = frozenset({
     "allowed_local_media_path", "mm_processor_cache_gb", "otlp_traces_endpoint",
     "collect_detailed_traces", "aggregate_engine_logging", "show_hidden_metrics_for_version",
     "kv_cache_metrics", "kv_cache_metrics_sample", "cudagraph_metrics", "enable_mfu_metrics",
-    "enable_sleep_mode", "numa_bind", "shutdown_timeout", "max_loras", "max_lora_rank",
-    "max_cpu_loras", "lora_dtype", "fully_sharded_loras", "long_lora_scaling_factors",
+    "enable_sleep_mode", "numa_bind", "shutdown_timeout", "lora_dtype", "fully_sharded_loras",
+    "long_lora_scaling_factors",
     "max_prompt_adapters", "max_prompt_adapter_token", "enable_eplb",
     "data_parallel_backend", "data_parallel_address", "data_parallel_rpc_port",
 })
@@ -77,7 +82,6 @@ UNSUPPORTED = {
     "kv_cache_dtype": ("auto",),
     "cpu_offload_gb": (0,),
     "kv_offloading_size": (None,),
-    "enable_lora": (False,),
     "enable_prompt_adapter": (False,),
     "enable_prompt_embeds": (False,),
     "speculative_config": (None,),

@@ -1,13 +1,14 @@
 """A vLLM-style LLM engine: continuous batching scheduler, paged KV cache, torch model."""
 from engine.config import CacheConfig, EngineConfig, SchedulerConfig
 from engine.core.request import Request, RequestStatus
+from engine.lora.request import LoRARequest
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.core.sched_output import SchedulerOutput, SchedulerStats
 from engine.core.scheduler import Scheduler
 
-__all__ = ["CacheConfig", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "Request",
-           "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
+__all__ = ["CacheConfig", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "LoRARequest",
+           "Request", "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
            "SchedulerOutput", "SchedulerStats"]
 
 

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 from engine.config import EngineConfig
 from engine.faults import FaultPlan
 from engine.llm_engine import LLMEngine
+from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -27,7 +28,11 @@ class LLM:
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
+        """`lora_request`: one adapter for every prompt, or a list with one per prompt
+        (None: the base model), as vLLM's."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -37,6 +42,12 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
         engine = self.llm_engine
         # Only final outputs are kept here, so none is built before (as vLLM's LLM); the
         # caller's objects stay as they are.
@@ -47,10 +58,10 @@ class LLM:
                     p, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, lora in zip(prompts, params, loras):
                 rid = str(self._next_id)
                 self._next_id += 1
-                engine.add_request(rid, prompt, final_only[id(p)])
+                engine.add_request(rid, prompt, final_only[id(p)], lora_request=lora)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.config import EngineConfig
@@ -10,6 +10,7 @@ from engine.core.kv_cache.publisher import NullEventPublisher
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.faults import FaultPlan
+from engine.lora.request import LoRARequest
 from engine.metrics.trace import NullTrace
 from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.output_processor import OutputProcessor
@@ -33,6 +34,9 @@ class EngineStats:
     num_preemptions_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    # enable_lora only (SchedulerStats' fields): adapter name -> running / waiting requests.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
 
 
 class EngineStepError(RuntimeError):
@@ -62,6 +66,7 @@ class LLMEngine:
         self.kv_events = parts.kv_events
         self._threads = parts.threads
         self._tensor_parallel = parts.tensor_parallel
+        self.lora = parts.lora  # None unless enable_lora
         self.eos_token_ids = tuple(parts.loaded.eos_token_ids)
         # Owns what each request is handed and when (output kind, stream_interval).
         self.output_processor = OutputProcessor(self.config.scheduler.stream_interval)
@@ -75,7 +80,8 @@ class LLMEngine:
     # ---- requests -----------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None, cache_salt: str | None = None) -> None:
+                    arrival_time: float | None = None, cache_salt: str | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         params = params or SamplingParams()
         sequences = fan_out(request_id, params)
         prompt_text = prompt if isinstance(prompt, str) else None
@@ -98,6 +104,11 @@ class LLMEngine:
             raise ValueError(f"SamplingParams.stop_token_ids must be < vocab size {vocab}")
         if any(t >= vocab for q in params.stop_token_sequences for t in q):
             raise ValueError(f"SamplingParams.stop_token_sequences must be < vocab size {vocab}")
+        if lora_request is not None:
+            if self.lora is None:
+                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but the "
+                                 "engine was started without enable_lora")
+            self.lora.adapter(lora_request)  # loads it now: a bad adapter fails here, alone
         # Before any sequence exists, so an invalid spec adds nothing; a cache hit when
         # the backend compiled it already.
         compiled_grammar = (None if params.structured_outputs is None
@@ -108,7 +119,8 @@ class LLMEngine:
             request = Request(rid, token_ids, seq_params, priority=priority,
                               arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
                               cache_salt=cache_salt, detokenizer=IncrementalDetokenizer(
-                                  self.tokenizer, token_ids, seq_params))
+                                  self.tokenizer, token_ids, seq_params),
+                              lora_request=lora_request)
             if compiled_grammar is not None:
                 request.grammar = RequestGrammar.start(compiled_grammar)
             if params.max_tokens is None:
@@ -213,7 +225,9 @@ class LLMEngine:
                            prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions_total=s.num_preemptions_total,
                            prompt_tokens_total=self.prompt_tokens_total,
-                           generation_tokens_total=s.generation_tokens_total)
+                           generation_tokens_total=s.generation_tokens_total,
+                           running_lora_adapters=s.running_lora_adapters,
+                           waiting_lora_adapters=s.waiting_lora_adapters)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -36,6 +36,7 @@ class EngineParts:
     kv_events: ZmqEventPublisher | NullEventPublisher
     threads: ThreadGovernor | None
     tensor_parallel: Any  # engine.distributed.executor.TensorParallelExecutor or None
+    lora: Any = None  # engine.lora.runtime.LoRARuntime when enable_lora
 
 
 def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
@@ -65,19 +66,27 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                                              sched_cfg.max_num_batched_tokens,
                                              sched_cfg.max_model_len))
             send_step = tensor_parallel.send_step
+        lora = None
+        if config.lora.enable_lora:
+            from engine.lora.runtime import LoRARuntime
+            lora = LoRARuntime(loaded.model, config.lora, loaded.dtype,
+                               next(loaded.model.parameters()).device)
         runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
-                             seed=config.seed, faults=faults, send_step=send_step)
+                             seed=config.seed, faults=faults, send_step=send_step, lora=lora)
         kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if kv_events.enabled and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
                            "indexer cannot recompute these keys from tokens; use sha256_cbor")
-        scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events.enabled)
+        scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events.enabled,
+                              lora_config=config.lora)
         warm_start = time.perf_counter()
         runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                        sched_cfg.max_model_len)
         # CUDA graphs replay one rank's kernels; the all-reduces between them are not
-        # captured here, so tensor-parallel decode steps run eagerly.
-        if runner.device.type == "cuda" and not config.enforce_eager and tp_size == 1:
+        # captured here, so tensor-parallel decode steps run eagerly; nor are the LoRA
+        # groups, which change shape every step.
+        if (runner.device.type == "cuda" and not config.enforce_eager and tp_size == 1
+                and lora is None):
             runner.use_decode_graphs(sched_cfg.max_num_seqs, sched_cfg.max_model_len,
                                      capture=True)
         warm_up_s = time.perf_counter() - warm_start
@@ -100,7 +109,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                 cache_cfg.block_size, sched_cfg.max_model_len, cpu_features.detect().describe(),
                 loaded.load_seconds, warm_up_s)
     return EngineParts(config, loaded, runner, scheduler, grammar_compiler, trace, kv_events,
-                       threads, tensor_parallel)
+                       threads, tensor_parallel, lora)
 
 
 def open_trace(config: EngineConfig, loaded) -> TraceRecorder | NullTrace:

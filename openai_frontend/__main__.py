@@ -35,6 +35,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how the model writes tool calls (vLLM's parser names)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="tool_choice=auto: find calls in the text with --tool-call-parser")
+    parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters served as model ids (vLLM's flag: name=path or "
+                             "JSON); each name must be one of the Triton model's "
+                             "multi_lora.json adapters")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="reported by /tokenize (default: the `llm` model's)")
     parser.add_argument("--host", default="0.0.0.0", help="(default: %(default)s)")
@@ -44,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         parser.error("--enable-auto-tool-choice requires --tool-call-parser")
+    from openai_frontend.lora_modules import parse_lora_modules
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        parser.error(str(exc))
     return args
 
 
@@ -55,7 +64,8 @@ def frontend_options(args: argparse.Namespace,
     return FrontendOptions(
         api_keys=api_keys(args.api_key, dict(environ)),
         tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
-        triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len)
+        triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len,
+        lora_modules=tuple(getattr(args, "lora_modules", None) or ()))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -54,13 +54,25 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     if options.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=options.api_keys)
 
-    def model_card() -> dict[str, Any]:
-        return {"id": served_model_name, "object": "model", "created": created,
+    adapters = {module.name: module for module in options.lora_modules}
+
+    def model_card(name: str = served_model_name) -> dict[str, Any]:
+        card = {"id": name, "object": "model", "created": created,
                 "owned_by": "triton-llm-engine", "root": model}
+        if name in adapters:  # vLLM's adapter cards: the folder as root, the base as parent
+            adapter = adapters[name]
+            card.update(root=adapter.path, parent=adapter.base_model_name or served_model_name)
+        return card
 
     def check_model(name: str | None) -> None:
-        if name != served_model_name:
+        if name != served_model_name and name not in adapters:
             raise model_not_found(name)
+
+    def with_adapter(triton_request, name: str):
+        """The adapter a model id names rides to Triton as vllm_backend's lora_name."""
+        if name in adapters:
+            triton_request.sampling["lora_name"] = name
+        return triton_request
 
     async def max_model_len(request: Request) -> int:
         if options.max_model_len is not None:
@@ -85,19 +97,19 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
 
     @app.get("/v1/models")
     async def list_models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [model_card(), *map(model_card, adapters)]}
 
     @app.get("/v1/models/{name:path}")
     async def get_model(name: str):
         check_model(name)
-        return model_card()
+        return model_card(name)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        triton_request = completion_request(body)
+        triton_request = with_adapter(completion_request(body), body.model)
         echo = [p for p in triton_request.prompts for _ in range(body.n or 1)] if body.echo else None
-        return await answer(request, triton_request, CompletionFormat(served_model_name, echo=echo))
+        return await answer(request, triton_request, CompletionFormat(body.model, echo=echo))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -106,10 +118,11 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
                                       options.tool_calls)
         prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt,
                              body.continue_final_message, body.chat_template_kwargs, body.tools)
-        triton_request = chat_request(body, prompt, constraint,
-                                      keep_special_tokens=plan is not None and plan.keeps_special_tokens)
+        triton_request = with_adapter(chat_request(
+            body, prompt, constraint,
+            keep_special_tokens=plan is not None and plan.keeps_special_tokens), body.model)
         return await answer(request, triton_request,
-                            ChatFormat(served_model_name, top_logprobs=body.top_logprobs or 0,
+                            ChatFormat(body.model, top_logprobs=body.top_logprobs or 0,
                                        tools=plan))
 
     @app.post("/tokenize")

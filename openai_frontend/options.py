@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from openai_frontend.lora_modules import LoRAModule
 from openai_frontend.tool_calls import ToolCallConfig
 
 
@@ -17,3 +18,5 @@ class FrontendOptions:
     # For /tokenize's max_model_len; None: the `llm` model's config parameter, then
     # the tokenizer folder's config.json.
     max_model_len: int | None = None
+    # --lora-modules: adapters served as model ids beside the base model.
+    lora_modules: tuple[LoRAModule, ...] = ()

@@ -2,6 +2,7 @@
 
     scripts/serve.sh [--http-port 8000] [--grpc-port 8001] [--metrics-port 8002]
                      [--host 127.0.0.1] [--model PATH] [--param KEY=VALUE ...]
+                     [--lora-modules NAME=PATH ...]
                      [--load-model llm ...] [--exit-timeout-secs 20]
 
 Ports and host may also come from TRITON_HTTP_PORT / TRITON_GRPC_PORT /
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                    "(default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--param", action="append", default=[], metavar="KEY=VALUE", type=_key_value,
                    help="engine parameter for the engine models, e.g. max_num_seqs=32")
+    p.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="LoRA adapters (PEFT folders) the engine models serve by name "
+                        "(vLLM's flag); turns on enable_lora")
     p.add_argument("--instances", type=int, default=0, metavar="N",
                    help="N instances (KIND_CPU, or KIND_GPU one device each with --instance-kind) "
                         "of each engine model, each its own engine; Triton spreads requests over them")
@@ -74,9 +78,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def repository_for(args: argparse.Namespace, target: Path = OVERRIDES_DIR) -> Path:
     """The repository as given, or a copy at `target` with the requested overrides."""
-    if not args.model and not args.param and not args.instances:
+    if not args.model and not args.param and not args.instances and not args.lora_modules:
         return args.model_repository
     engine_params = dict(args.param)
+    if args.lora_modules:
+        # Absolute, as --model: the server's working folder is not the caller's.
+        engine_params["enable_lora"] = "true"
+        engine_params["lora_modules"] = " ".join(
+            f"{name}={Path(path).resolve()}" for name, _, path in
+            (item.partition("=") for item in args.lora_modules))
     if args.model:
         # Absolute: tritonserver runs in .triton/server, not the caller's directory.
         engine_params["model"] = str(Path(args.model).resolve())

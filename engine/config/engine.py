@@ -8,6 +8,7 @@ from typing import Any, Mapping
 from engine.config.cache import CacheConfig
 from engine.config.checks import check_positive
 from engine.config.kv_events import KVEventsConfig
+from engine.config.lora import LoRAConfig
 from engine.config.scheduler import SchedulerConfig
 from engine.values import convert
 
@@ -41,6 +42,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
+    # vLLM's enable_lora, max_loras, max_lora_rank, max_cpu_loras (flat engine args).
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     # JSON Lines workload trace (engine/metrics/trace.py) for the replay and the tuner (tune/);
     # None: off. Past trace_max_bytes the file moves to <path>.1 and a new one begins.
     trace_path: str | None = None
@@ -76,6 +79,8 @@ class EngineConfig:
             # The packed GGUF blocks are quantized along the rows the shards would cut.
             raise ValueError("quantization 'gguf' runs in one process only; it cannot be "
                              f"combined with tensor_parallel_size={self.tensor_parallel_size}")
+        if self.lora.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
 
     @property
     def torch_device(self) -> str:
@@ -89,7 +94,7 @@ class EngineConfig:
         """Flat engine args (vLLM names) -> config. Values may be strings, as they
         are in config.pbtxt parameters; each is converted to the field's type and a
         bad name or value raises ValueError naming it."""
-        sections = {"scheduler": SchedulerConfig, "cache": CacheConfig}
+        sections = {"scheduler": SchedulerConfig, "cache": CacheConfig, "lora": LoRAConfig}
         owner: dict[str, tuple[str | None, dataclasses.Field]] = {}
         for f in dataclasses.fields(cls):
             if f.name in sections:
@@ -110,6 +115,7 @@ class EngineConfig:
             (nested[section] if section else top)[key] = value
         try:
             return cls(scheduler=SchedulerConfig(**nested["scheduler"]),
-                       cache=CacheConfig(**nested["cache"]), **top)
+                       cache=CacheConfig(**nested["cache"]), lora=LoRAConfig(**nested["lora"]),
+                       **top)
         except TypeError as exc:  # pragma: no cover - guarded by the name check
             raise ValueError(str(exc)) from exc

@@ -33,3 +33,7 @@ class SchedulerStats:
     prefix_cache_hits: int
     num_preemptions_total: int
     generation_tokens_total: int
+    # enable_lora only, vLLM's SchedulerStats fields: adapter name -> its requests running
+    # / waiting; as vLLM 0.32 fills them, each holds every adapter that has any request.
+    running_lora_adapters: dict[str, int] = field(default_factory=dict)
+    waiting_lora_adapters: dict[str, int] = field(default_factory=dict)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from engine.config import CacheConfig, SchedulerConfig
+from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
 from engine.core.kv_cache import BlockHasher, KVCacheManager
 from engine.core.partial_prefills import LOOKAHEAD, PartialPrefills
 from engine.core.request import Request, RequestStatus
@@ -15,7 +15,7 @@ from engine.core.stop_checker import check_stop
 
 class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 enable_kv_events: bool = False) -> None:
+                 enable_kv_events: bool = False, lora_config: LoRAConfig | None = None) -> None:
         if cache_config.num_kv_blocks is None:
             raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -27,6 +27,8 @@ class Scheduler:
             hasher=BlockHasher(cache_config.prefix_caching_hash_algo),
             enable_events=enable_kv_events)
         self.watermark_blocks = cache_config.watermark_blocks
+        # None: no limit (LoRA off); else the distinct adapters RUNNING may hold.
+        self.max_loras = lora_config.max_loras if lora_config and lora_config.enable_lora else None
         self.requests: dict[str, Request] = {}
         self.waiting = make_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -171,6 +173,11 @@ class Scheduler:
         candidates = None
         if prefills is not None:
             candidates = iter(waiting.head(cfg.max_num_seqs + LOOKAHEAD))
+        # vLLM's max_loras rule: a request whose adapter would make one too many is passed
+        # over (it keeps its place), so requests for adapters already running still start.
+        loras = None if self.max_loras is None else {
+            r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+        skipped: list[Request] = []
         while waiting and token_budget > 0 and len(running) < cfg.max_num_seqs:
             if candidates is None:
                 request = waiting.peek()
@@ -178,6 +185,12 @@ class Scheduler:
                 request = next(candidates, None)
                 if request is None or prefills.full():
                     break
+            lora = request.lora_request
+            if (loras is not None and lora is not None and lora.lora_int_id not in loras
+                    and len(loras) >= self.max_loras):
+                if candidates is None:
+                    skipped.append(waiting.pop())
+                continue
             hit_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
             num_new = remaining
@@ -205,6 +218,10 @@ class Scheduler:
             running.append(request)
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
+            if loras is not None and lora is not None:
+                loras.add(lora.lora_int_id)
+        for request in reversed(skipped):
+            waiting.prepend(request)
         return token_budget
 
     def _pick_victim(self) -> Request:
@@ -293,4 +310,17 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_stats.queries,
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions_total=self.num_preemptions_total,
-            generation_tokens_total=self.generation_tokens_total)
+            generation_tokens_total=self.generation_tokens_total,
+            **(self._lora_counts() if self.max_loras is not None else {}))
+
+    def _lora_counts(self) -> dict[str, dict[str, int]]:
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for requests, counts in ((self.running, running), (self.waiting, waiting)):
+            for request in requests:
+                if request.lora_request is not None:
+                    name = request.lora_request.lora_name
+                    counts[name] = counts.get(name, 0) + 1
+        names = list(dict.fromkeys([*running, *waiting]))
+        return {"running_lora_adapters": {n: running.get(n, 0) for n in names},
+                "waiting_lora_adapters": {n: waiting.get(n, 0) for n in names}}

@@ -7,7 +7,8 @@ Records, one JSON object a line, times in seconds since the trace began:
   {"type": "header", "version", "block_size", "model", "dtype", "host", "engine_args"}
   {"type": "request", "id", "arrival", "prompt_len", "block_hashes", "max_tokens",
    "min_tokens", "priority", "output_len", "first_token", "finish", "finish_reason",
-   "cancel" (time of the abort, or null), "num_cached_tokens", "num_preemptions"}
+   "cancel" (time of the abort, or null), "num_cached_tokens", "num_preemptions",
+   "lora_name" (its LoRA adapter, or null for the base model)}
   {"type": "step", "start", "wall", "prefill_tokens", "decode_tokens", "num_prefills",
    "batch_size", "context_tokens", "preemptions"}
 A request is written when it ends. The file is size-capped: past max_bytes it is moved to
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.core.kv_cache import BlockHasher, external_hash
+from engine.core.kv_cache.hashing import lora_extra_key
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
 
@@ -35,7 +37,8 @@ def prompt_block_hashes(request: Request, block_size: int) -> list[int]:
     count = request.num_prompt_tokens // block_size
     hashes = request.block_hashes[:count]
     if len(hashes) < count:  # prefix caching off: nothing hashed them
-        hashes = _FALLBACK_HASHER.chain(request.prompt_token_ids, block_size, request.cache_salt)
+        hashes = _FALLBACK_HASHER.chain(request.prompt_token_ids, block_size, request.cache_salt,
+                                        lora_key=lora_extra_key(request))
     return [external_hash(h) if isinstance(h, bytes) else h for h in hashes]
 
 
@@ -128,7 +131,8 @@ class TraceRecorder:
             "finish": round(now, 6), "finish_reason": request.finish_reason,
             "cancel": round(now, 6) if cancelled else None,
             "num_cached_tokens": max(request.num_cached_tokens, 0),
-            "num_preemptions": request.num_preemptions})
+            "num_preemptions": request.num_preemptions,
+            "lora_name": None if request.lora_request is None else request.lora_request.lora_name})
 
     def close(self) -> None:
         if self._file is not None and not self._file.closed:

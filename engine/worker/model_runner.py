@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -16,6 +16,9 @@ from engine.sampling_params import SamplingParams
 from engine.worker import host_memory
 from engine.worker.cuda_graphs import DecodeGraphs
 from kernels import dispatch
+
+if TYPE_CHECKING:
+    from engine.lora.runtime import LoRARuntime
 
 
 @dataclass(slots=True)
@@ -53,7 +56,8 @@ class StepInputs:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int,
                  seed: int = 0, faults: FaultPlan = FaultPlan(),
-                 send_step: Callable[[StepInputs], None] | None = None) -> None:
+                 send_step: Callable[[StepInputs], None] | None = None,
+                 lora: "LoRARuntime | None" = None) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
@@ -74,6 +78,8 @@ class ModelRunner:
         # memory without blocking (torch's caching host allocator reuses those pages, and
         # keeps each until its copy is done).
         self._pinned = self.device.type == "cuda"
+        # enable_lora: groups each step's rows by adapter for the wrapped layers.
+        self.lora = lora
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Decode-only steps run through DecodeGraphs: captured CUDA graphs when `capture`
@@ -100,7 +106,14 @@ class ModelRunner:
         inputs = StepInputs(input_ids, positions, meta, sample_rows if sample_reqs else None)
         if self.send_step is not None:
             self.send_step(inputs)
-        logits = self.forward(inputs)
+        if self.lora is None:
+            logits = self.forward(inputs)
+        else:
+            self.lora.set_step(requests, [out.num_scheduled_tokens[r.request_id] for r in requests])
+            try:
+                logits = self.forward(inputs)
+            finally:
+                self.lora.clear_step()
         if logits is None:
             return RunnerOutput({}, {})
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)

@@ -89,7 +89,8 @@ class ScriptedEngine:
         self.gate.set()
         self.fail_stats = False
 
-    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None) -> None:
+    def add_request(self, request_id, prompt, params, priority=0, arrival_time=None,
+                    lora_request=None) -> None:
         if not prompt:
             raise ValueError("prompt is empty")
         self.waiting.append(request_id)

@@ -62,16 +62,31 @@ def test_config_pbtxt_parameters_win_over_model_json():
 
 def test_args_without_effect_are_logged_and_unsupported_ones_pass_at_their_off_value():
     _, _, lines = settings({"disable_log_requests": False, "swap_space": 4,
-                            "pipeline_parallel_size": 1, "enable_lora": False, "hf_overrides": {}})
+                            "pipeline_parallel_size": 1, "enable_prompt_adapter": False,
+                            "hf_overrides": {}})
     assert len(lines) == 1
-    for name in ("disable_log_requests", "swap_space", "pipeline_parallel_size", "enable_lora"):
+    for name in ("disable_log_requests", "swap_space", "pipeline_parallel_size",
+                 "enable_prompt_adapter"):
         assert name in lines[0]
+
+
+def test_lora_arguments_as_vllm_backend_writes_them():
+    """The LoRA tutorial's model.json: enable_lora as a string, max_lora_rank a number."""
+    config, _, lines = settings({"enable_lora": "true", "max_lora_rank": 16, "max_loras": 4,
+                                 "max_cpu_loras": 8})
+    assert (config.lora.enable_lora, config.lora.max_lora_rank, config.lora.max_loras,
+            config.lora.max_cpu_loras) == (True, 16, 4, 8)
+    assert not lines
+    default, _, _ = settings({"enable_lora": True})
+    assert (default.lora.max_loras, default.lora.max_lora_rank, default.lora.max_cpu_loras) \
+        == (1, 16, 1)  # vLLM's defaults
 
 
 @pytest.mark.parametrize("data,fragment", [
     ({"pipeline_parallel_size": 2}, "'pipeline_parallel_size' = 2 is not supported"),
     ({"quantization": "awq"}, "model.json key 'quantization'"),
-    ({"enable_lora": True}, "'enable_lora'"),
+    ({"enable_lora": "sometimes"}, "model.json key 'enable_lora'"),
+    ({"max_lora_rank": 12}, "model.json key 'max_lora_rank'.*must be one of"),
     ({"kv_cache_dtype": "fp8"}, "'kv_cache_dtype'"),
     ({"pipeline_parallel_size": True}, "'pipeline_parallel_size'"),  # true is not 1 here
     ({"tensor_parallel_size": 0}, "model.json key 'tensor_parallel_size'"),

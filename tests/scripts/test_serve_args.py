@@ -43,3 +43,15 @@ def test_without_overrides_the_repository_is_served_as_is(tmp_path):
     args = serve.parse_args([])
     assert serve.repository_for(args, target=tmp_path / "repo") == REPO_ROOT / "model_repository"
     assert not (tmp_path / "repo").exists()
+
+
+def test_lora_modules_turn_on_enable_lora_with_absolute_folders(tmp_path, monkeypatch):
+    from backend.tokenizer_source import read_config_parameters
+
+    monkeypatch.chdir(tmp_path)
+    args = serve.parse_args(["--lora-modules", "sql=loras/sql", "chat=/abs/chat"])
+    repo = serve.repository_for(args, target=tmp_path / "repo")
+    for name in serve.ENGINE_MODELS:
+        params = read_config_parameters(repo / name / "config.pbtxt")
+        assert params["enable_lora"] == "true"
+        assert params["lora_modules"] == f"sql={tmp_path / 'loras/sql'} chat=/abs/chat"

@@ -38,8 +38,12 @@ class BlockStored:
     block_size: int
     medium: str = MEDIUM
     # One entry per block, as vLLM 0.32 publishes them: the block's hash extra keys
-    # untagged (the bare cache_salt on a salted prompt's first block), else None.
+    # untagged (the adapter's name, the bare cache_salt on a salted prompt's first block),
+    # else None.
     extra_keys: list[tuple | None] | None = None
+    # vLLM's: the request's LoRA adapter (id, deprecated there, and name); None: the base.
+    lora_id: int | None = None
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)

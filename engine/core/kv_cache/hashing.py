@@ -1,5 +1,5 @@
 """Chained hashes of full blocks: a block's hash covers its parent's hash, its own
-token ids and the request's extra keys (cache_salt), so equal hashes mean equal
+token ids and the request's extra keys (LoRA adapter, cache_salt), so equal hashes mean equal
 prefixes, not merely equal blocks.
 
 `builtin` (Python's hash() of the tuple) is the fast default; it is not meant to be
@@ -114,7 +114,8 @@ class BlockHasher:
 
     def chain(self, token_ids: list[int], block_size: int, cache_salt: str | None = None,
               start: int = 0, stop: int | None = None,
-              parent_hash: BlockHash | None = None) -> list[BlockHash]:
+              parent_hash: BlockHash | None = None,
+              lora_key: tuple | None = None) -> list[BlockHash]:
         """Hashes of full blocks start..stop-1 of `token_ids` (default: every full block),
         chained on from `parent_hash`, the hash of block start - 1."""
         if stop is None:
@@ -122,24 +123,34 @@ class BlockHasher:
         hashes, parent = [], parent_hash
         for i in range(start, stop):
             parent = self.hash_block(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]),
-                                     block_extra_keys(cache_salt, i))
+                                     block_extra_keys(cache_salt, i, lora_key))
             hashes.append(parent)
         return hashes
 
 
-def block_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
-    """What vLLM 0.32 hashes (generate_block_hash_extra_keys): the salt, tagged with its
-    source, on the first block only (a salted prompt's later blocks differ through the
-    chain)."""
+def block_extra_keys(cache_salt: str | None, block_index: int,
+                     lora_key: tuple | None = None) -> tuple | None:
+    """What vLLM 0.32 hashes (generate_block_hash_extra_keys): the adapter's ("lora",
+    name, path) on every block, then the salt, tagged with its source, on the first
+    block only (a salted prompt's later blocks differ through the chain)."""
+    keys = () if lora_key is None else (lora_key,)
     if block_index == 0 and cache_salt:
-        return (("cache_salt", cache_salt),)
-    return None
+        keys += (("cache_salt", cache_salt),)
+    return keys or None
 
 
-def event_extra_keys(cache_salt: str | None, block_index: int) -> tuple | None:
+def lora_extra_key(request: Request) -> tuple | None:
+    """vLLM's LoRA extra key: the path too, so a name re-pointed at another adapter
+    does not reuse KV the old one computed."""
+    lora = request.lora_request
+    return None if lora is None else ("lora", lora.lora_name, lora.lora_path)
+
+
+def event_extra_keys(cache_salt: str | None, block_index: int,
+                     lora_key: tuple | None = None) -> tuple | None:
     """What vLLM 0.32 publishes for that block in BlockStored.extra_keys
-    (to_event_extra_keys): the same keys untagged, so the bare salt."""
-    keys = block_extra_keys(cache_salt, block_index)
+    (to_event_extra_keys): the same keys untagged, so the adapter's name and the bare salt."""
+    keys = block_extra_keys(cache_salt, block_index, lora_key)
     return None if keys is None else tuple(key[1] for key in keys)
 
 
@@ -150,5 +161,6 @@ def update_block_hashes(request: Request, block_size: int, hasher: BlockHasher) 
     if len(hashes) < num_full:
         hashes.extend(hasher.chain(request.all_token_ids, block_size, request.cache_salt,
                                    start=len(hashes), stop=num_full,
-                                   parent_hash=hashes[-1] if hashes else None))
+                                   parent_hash=hashes[-1] if hashes else None,
+                                   lora_key=lora_extra_key(request)))
     return hashes

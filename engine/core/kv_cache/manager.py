@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from engine.core.kv_cache.block_pool import BlockPool, KVBlock
 from engine.core.kv_cache.events import BlockStored, KVCacheEvent
-from engine.core.kv_cache.hashing import BlockHasher, event_extra_keys, update_block_hashes
+from engine.core.kv_cache.hashing import (BlockHasher, event_extra_keys, lora_extra_key,
+                                          update_block_hashes)
 from engine.core.request import Request
 
 
@@ -115,6 +116,8 @@ class KVCacheManager:
         """One BlockStored per run of hashes new to the cache; a duplicate breaks the
         run, and the next run names it as parent (it is cached, by its first copy)."""
         pool, bs, tokens = self.block_pool, self.block_size, request.all_token_ids
+        lora = request.lora_request
+        lora_key = lora_extra_key(request)
         run_start = None
         for i in range(start, stop + 1):
             stored = i < stop and pool.cache_block(blocks[i], hashes[i])
@@ -125,8 +128,10 @@ class KVCacheManager:
                     block_hashes=hashes[run_start:i],
                     parent_block_hash=hashes[run_start - 1] if run_start else None,
                     token_ids=list(tokens[run_start * bs:i * bs]), block_size=bs,
-                    extra_keys=[event_extra_keys(request.cache_salt, j)
-                                for j in range(run_start, i)]))
+                    extra_keys=[event_extra_keys(request.cache_salt, j, lora_key)
+                                for j in range(run_start, i)],
+                    lora_id=None if lora is None else lora.lora_int_id,
+                    lora_name=None if lora is None else lora.lora_name))
                 run_start = None
 
     def take_events(self) -> list[KVCacheEvent]:

@@ -41,7 +41,7 @@ def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
                 "parent_block_hash": (None if event.parent_block_hash is None
                                       else external_hash(event.parent_block_hash)),
                 "token_ids": event.token_ids, "block_size": event.block_size,
-                "lora_id": None, "medium": event.medium, "lora_name": None}
+                "lora_id": event.lora_id, "medium": event.medium, "lora_name": event.lora_name}
         if event.extra_keys is not None:
             wire["extra_keys"] = [None if keys is None else list(keys) for keys in event.extra_keys]
         wire["group_idx"] = GROUP_IDX

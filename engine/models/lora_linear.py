@@ -1,0 +1,104 @@
+"""Linear layers that add, per batch row, the low-rank update of that row's LoRA adapter.
+
+`attach_lora` wraps the four projections of every decoder layer (fused qkv_proj and
+gate_up_proj included); the runner hands each step's adapter groups to the shared
+`LoRABatch` before the forward. A step with no adapter rows runs the base layer only."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.models.layers import Linear
+
+
+@dataclass(frozen=True, slots=True)
+class LoRATarget:
+    """One wrapped layer as an adapter sees it: the HF projections fused into it, in order,
+    with their output sizes, and the input size they share."""
+    in_features: int
+    parts: tuple[tuple[str, int], ...]  # (HF projection name, out features)
+
+    @property
+    def out_features(self) -> int:
+        return sum(size for _, size in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleLoRA:
+    """One adapter's update for one (possibly fused) layer: y += (x A^T) B^T.
+
+    A stacks the parts' A rows ([sum of ranks, in]); B is block-diagonal over the parts
+    ([out, sum of ranks]) with each part's scaling folded in, so a fused layer costs one
+    shrink and one expand whatever subset of its parts the adapter trained."""
+    a: torch.Tensor
+    b: torch.Tensor
+
+    def add_to(self, x: torch.Tensor, y: torch.Tensor, rows: slice | torch.Tensor) -> None:
+        if isinstance(rows, slice):
+            y[rows] += (x[rows] @ self.a.t()) @ self.b.t()
+        else:
+            y.index_add_(0, rows, (x.index_select(0, rows) @ self.a.t()) @ self.b.t())
+
+
+@dataclass(slots=True)
+class LoRAGroup:
+    """The rows of one step that run one adapter, and that adapter's layers by name."""
+    rows: slice | torch.Tensor
+    modules: dict[str, ModuleLoRA]
+
+
+@dataclass(slots=True)
+class LoRABatch:
+    """This step's adapter groups, shared by every wrapped layer of one model; the runner
+    sets it before the forward and clears it after (empty: base rows only)."""
+    groups: list[LoRAGroup] = field(default_factory=list)
+
+
+class LoRALinear(nn.Module):
+    def __init__(self, base: Linear, name: str, batch: LoRABatch) -> None:
+        super().__init__()
+        self.base = base
+        self.name = name
+        self.batch = batch
+
+    def kernel_weight(self):
+        # The native single-sequence decode reads the base weights; the runtime lets it
+        # run only in steps without adapter rows.
+        return self.base.kernel_weight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base.forward(x)
+        for group in self.batch.groups:
+            module = group.modules.get(self.name)
+            if module is not None:
+                module.add_to(x, y, group.rows)
+        return y
+
+
+def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
+    """Wrap a Llama-family model's projections; returns the batch they read and what each
+    wrapped layer (by module name) is made of, for the adapter loader to check against."""
+    batch = LoRABatch()
+    targets: dict[str, LoRATarget] = {}
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        q = attn.num_heads * attn.head_dim
+        kv = attn.num_kv_heads * attn.head_dim
+        inter = mlp.intermediate_size
+        hidden = model.config.hidden_size
+        prefix = f"model.layers.{i}"
+        layout = {
+            "self_attn.qkv_proj": (hidden, (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+            "self_attn.o_proj": (q, (("o_proj", hidden),)),
+            "mlp.gate_up_proj": (hidden, (("gate_proj", inter), ("up_proj", inter))),
+            "mlp.down_proj": (inter, (("down_proj", hidden),)),
+        }
+        for path, (in_features, parts) in layout.items():
+            parent_name, attr = path.split(".")
+            parent = attn if parent_name == "self_attn" else mlp
+            name = f"{prefix}.{path}"
+            setattr(parent, attr, LoRALinear(getattr(parent, attr), name, batch))
+            targets[name] = LoRATarget(in_features, parts)
+    return batch, targets

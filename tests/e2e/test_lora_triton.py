@@ -1,0 +1,234 @@
+"""Multi-LoRA on a real tritonserver with vllm_backend's LoRA layout: model.json with
+enable_lora / max_lora_rank and multi_lora.json beside it in the version folder.
+
+- lora_model: clients sending lora_name (gRPC stream, HTTP generate) get the adapter's
+  text, the same as the offline engine with that LoRARequest (the engine's own tests hold
+  it to HF + peft); a bad name is refused INVALID_ARG naming it while the requests sent
+  with it finish unharmed.
+- ensemble: the TensorRT-LLM-style ensemble passes `lora_name` to the token model.
+- no_multi_lora / bad_rank: enable_lora without multi_lora.json, or an adapter above
+  max_lora_rank, fail that model's load naming the file or the adapter."""
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.e2e.shared import TINY_ENGINE_ARGS, assert_loads_fail, loaded, running_server
+from tests.e2e.triton_clients import infer_one, llm_inputs
+
+pytestmark = pytest.mark.slow
+
+CONFIG = 'backend: "tle"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
+METRICS_ON = 'parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
+PROMPT = "The capital of France is"
+SAMPLING = {"max_tokens": 12, "temperature": 0}
+
+
+def _model(repo, name, model_json, multi_lora=None, config=CONFIG):
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(config)
+    (version / "model.json").write_text(json.dumps(model_json, indent=2))
+    if multi_lora is not None:
+        (version / "multi_lora.json").write_text(json.dumps(multi_lora, indent=2))
+
+
+@pytest.fixture(scope="module")
+def lora_env(tmp_path_factory, tiny_model_dir):
+    from testing.lora_adapter import make_lora_adapter_dir
+
+    work = tmp_path_factory.mktemp("triton-lora")
+    weights = work / "weights" / "loras"
+    alpha = make_lora_adapter_dir(tiny_model_dir, weights / "alpha", seed=1, r=8)
+    beta = make_lora_adapter_dir(tiny_model_dir, weights / "beta", seed=2, r=16,
+                                 target_modules=("q_proj", "v_proj"))
+    repo = work / "models"
+    base_json = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enforce_eager": "true"}
+    _model(repo, "lora_model", {**base_json, "enable_lora": "true", "max_lora_rank": 16,
+                                "max_loras": 2}, {"alpha": str(alpha), "beta": str(beta)},
+           config=CONFIG + METRICS_ON)
+    _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
+    _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
+           {"alpha": str(alpha), "beta": str(beta)})
+    # The adapters from config.pbtxt parameters alone (what scripts/serve.py --lora-modules
+    # writes), and that parameter without enable_lora.
+    pbtxt = CONFIG + "".join(
+        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in
+        {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enable_lora": "true",
+         "max_lora_rank": "16", "lora_modules": f"beta={beta}"}.items())
+    (repo / "pbtxt_lora" / "1").mkdir(parents=True)
+    (repo / "pbtxt_lora" / "config.pbtxt").write_text(pbtxt)
+    (repo / "lora_off" / "1").mkdir(parents=True)
+    (repo / "lora_off" / "config.pbtxt").write_text(pbtxt.replace(
+        'key: "enable_lora" value: { string_value: "true" }',
+        'key: "enable_lora" value: { string_value: "false" }'))
+    # The TensorRT-LLM-style ensemble over a token model with the same adapters.
+    from backend.repository_layout import copy_repository
+    from backend.triton_server import REPO_ROOT
+
+    copy_repository(REPO_ROOT / "model_repository", repo,
+                    models=["tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
+                    params={"tensorrt_llm": {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS,
+                                             "enable_lora": "true", "max_lora_rank": "16",
+                                             "max_loras": "2"},
+                            "preprocessing": {"tokenizer": str(tiny_model_dir)},
+                            "postprocessing": {"tokenizer": str(tiny_model_dir)}})
+    (repo / "tensorrt_llm" / "1" / "multi_lora.json").write_text(
+        json.dumps({"alpha": str(alpha), "beta": str(beta)}))
+    # A `backend: "python"` model.py imports an installed copy of the package before the
+    # PYTHONPATH checkout (the tle backend's model.py puts PYTHONPATH first; this does too).
+    model_py = repo / "tensorrt_llm" / "1" / "model.py"
+    model_py.write_text("import os, sys\nsys.path[:0] = [p for p in os.environ.get('PYTHONPATH', '')"
+                        ".split(os.pathsep) if p and p not in sys.path]\n" + model_py.read_text())
+    with running_server(repo, work, timeout=300) as handle:
+        yield dict(server=handle, tiny=str(tiny_model_dir), alpha=str(alpha), beta=str(beta))
+
+
+@pytest.fixture(scope="module")
+def expected(lora_env):
+    from engine import LLM, LoRARequest, SamplingParams
+
+    args = {k: v for k, v in TINY_ENGINE_ARGS.items()}
+    llm = LLM(lora_env["tiny"], enable_lora=True, max_lora_rank=16, max_loras=2, **args)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    loras = {None: None, "alpha": LoRARequest("alpha", 1, lora_env["alpha"]),
+             "beta": LoRARequest("beta", 2, lora_env["beta"])}
+    texts = {name: llm.generate([PROMPT], params, use_tqdm=False, lora_request=lora)[0]
+             .outputs[0].text for name, lora in loras.items()}
+    assert len(set(texts.values())) == 3  # each adapter changes the text
+    return texts
+
+
+def _grpc(client_url, lora_name, stream=True):
+    sampling = dict(SAMPLING) if lora_name is None else {**SAMPLING, "lora_name": lora_name}
+    return infer_one(client_url, "lora_model",
+                     llm_inputs(PROMPT, sampling, stream=stream, exclude_input_in_output=True))
+
+
+def test_clients_sending_lora_name_get_the_adapters_text(lora_env, expected):
+    import tritonclient.grpc as grpcclient
+
+    server = lora_env["server"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "lora_model"):
+        # Mixed in flight together: two adapters, the base, and a name nobody serves.
+        names = ["alpha", "nosuch", None, "beta", "alpha"]
+        with ThreadPoolExecutor(len(names)) as pool:
+            outcomes = list(pool.map(lambda n: _grpc(server.grpc_url, n), names))
+        for name, outcome in zip(names, outcomes):
+            if name == "nosuch":
+                assert outcome.error is not None and "'nosuch'" in outcome.error
+                assert "alpha" in outcome.error and "beta" in outcome.error
+                continue
+            assert outcome.error is None, (name, outcome.error)
+            assert len(outcome.responses) > 1  # streamed
+            assert outcome.text == expected[name], name
+        http = requests.post(f"http://{server.http_url}/v2/models/lora_model/generate",
+                             json={"text_input": PROMPT, "parameters": {
+                                 **SAMPLING, "lora_name": "beta",
+                                 "exclude_input_in_output": True}}, timeout=120)
+        assert http.status_code == 200, http.text
+        assert http.json()["text_output"] == expected["beta"]
+        refused = requests.post(f"http://{server.http_url}/v2/models/lora_model/generate",
+                                json={"text_input": PROMPT, "parameters": {"lora_name": "gamma"}},
+                                timeout=120)
+        assert refused.status_code == 400 and "'gamma'" in refused.text
+        _check_lora_info(server.metrics_url)
+
+
+def _check_lora_info(metrics_url):
+    """vllm:lora_requests_info as vLLM 0.32 exports it: its labels name the adapters with
+    requests in flight, its value is the update's Unix time; the newest series (what
+    llm-d's picker reads) shows none once every request is done."""
+    from tests.e2e.triton_clients import scrape_metrics, series_labels
+
+    series = [(series_labels(key)[1], value) for key, value in scrape_metrics(metrics_url).items()
+              if series_labels(key)[0] == "vllm:lora_requests_info"]
+    assert series, "vllm:lora_requests_info not exported"
+    for labels, value in series:
+        assert labels["max_lora"] == "2" and labels["model"] == "lora_model"
+        assert abs(value - time.time()) < 600
+    running = {name for labels, _ in series for name in labels["running_lora_adapters"].split(",")}
+    assert {"alpha", "beta"} <= running
+    newest = max(series, key=lambda item: item[1])[0]
+    assert newest["running_lora_adapters"] == newest["waiting_lora_adapters"] == ""
+
+
+def test_bad_lora_setups_fail_the_load_naming_why(lora_env):
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(lora_env["server"].grpc_url)
+    assert_loads_fail(client, {
+        "no_multi_lora": ["enable_lora is true", "multi_lora.json does not exist"],
+        "bad_rank": ["LoRA adapter 'beta'", "rank 16", "greater than max_lora_rank 8"],
+        "lora_off": ["parameter 'lora_modules' needs enable_lora=true"],
+    })
+
+
+def test_adapters_from_config_pbtxt_parameters(lora_env, expected):
+    import tritonclient.grpc as grpcclient
+
+    server = lora_env["server"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "pbtxt_lora"):
+        out = infer_one(server.grpc_url, "pbtxt_lora", llm_inputs(
+            PROMPT, {**SAMPLING, "lora_name": "beta"}, exclude_input_in_output=True))
+        assert out.error is None and out.text == expected["beta"]
+
+
+def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected):
+    """vLLM's --lora-modules: /v1/models lists the base and the adapters, `model` picks one."""
+    import types
+
+    import openai
+    import tritonclient.grpc as grpcclient
+
+    from tests.e2e.test_openai_frontend import start_frontend, stop_frontend
+
+    server = lora_env["server"]
+    shim = types.SimpleNamespace(grpc=server.grpc_url, metrics=server.metrics_url,
+                                 model_dir=lora_env["tiny"])
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "lora_model"):
+        process, url = start_frontend(shim, "--model", "lora_model", "--lora-modules",
+                                      f"alpha={lora_env['alpha']}",
+                                      json.dumps({"name": "beta", "path": lora_env["beta"]}))
+        try:
+            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+            cards = {m.id: m for m in api.models.list().data}
+            assert list(cards) == ["tiny-llama", "alpha", "beta"]
+            assert cards["alpha"].root == lora_env["alpha"]
+            assert cards["alpha"].parent == "tiny-llama"
+            for name in ("tiny-llama", "alpha", "beta"):
+                got = api.completions.create(model=name, prompt=PROMPT, max_tokens=12,
+                                             temperature=0)
+                assert got.model == name
+                assert got.choices[0].text == expected[None if name == "tiny-llama" else name]
+            with pytest.raises(openai.NotFoundError):
+                api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+        finally:
+            stop_frontend(process)
+
+
+def test_ensemble_clients_send_lora_name(lora_env, expected):
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    from tests.e2e.triton_clients import ensemble_inputs
+
+    server = lora_env["server"]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with loaded(client, "ensemble"):
+        for name in ("alpha", "beta", None):
+            extra = {} if name is None else {"lora_name": np.array([[name.encode()]], dtype=np.object_)}
+            out = infer_one(server.grpc_url, "ensemble", ensemble_inputs(
+                PROMPT, 12, stream=True, exclude_input_in_output=np.array([[True]]), **extra))
+            assert out.error is None, out.error
+            assert out.text == expected[name], name
+        bad = infer_one(server.grpc_url, "ensemble", ensemble_inputs(
+            PROMPT, 4, lora_name=np.array([[b"nosuch"]], dtype=np.object_)))
+        assert bad.error is not None and "'nosuch'" in bad.error
