@@ -27,7 +27,6 @@ from backend import triton_io
 from backend.metrics import NullMetrics, StepMetrics, TritonMetrics
 
 _STOP = object()
-_STEP_DONE = object()
 # On a fast device steps are a few milliseconds; polling more often buys nothing.
 MIN_CANCEL_POLL_INTERVAL_S = 0.02
 # Polling all 64 streams every step cost ~5% of throughput when done on the engine
@@ -72,10 +71,13 @@ class ResponseWorker:
         if not step.empty():
             self._queue.put(lambda: self._metrics.record(step))
 
-    def step_done(self) -> None:
+    def step_done(self) -> threading.Event:
         """The engine finished a step: check the watched requests for cancellation once
-        this step's responses are out."""
-        self._queue.put(_STEP_DONE)
+        this step's responses are out. The event is set when they are out (before the
+        poll), for an engine loop that waits for its sends."""
+        sent = threading.Event()
+        self._queue.put(_StepDone(sent))
+        return sent
 
     def watch(self, request_id: str, sender: Any) -> None:
         """Poll this request's sender for cancellation until unwatch()."""
@@ -108,7 +110,8 @@ class ResponseWorker:
             task: Callable[[], None] | object = self._queue.get()
             if task is _STOP:
                 return
-            if task is _STEP_DONE:
+            if isinstance(task, _StepDone):
+                task.sent.set()
                 self._poll_cancellations()
                 continue
             try:
@@ -132,6 +135,13 @@ class ResponseWorker:
                 self._cancelled.put(request_id)
             else:
                 watched[request_id] = sender  # to the back of the rotation
+
+
+class _StepDone:
+    __slots__ = ("sent",)
+
+    def __init__(self, sent: threading.Event) -> None:
+        self.sent = sent
 
 
 def _send(sender: Any, tensors: Mapping[str, np.ndarray] | None, final: bool) -> None:

@@ -252,3 +252,50 @@ def test_cancellation_polls_are_bounded_per_step_and_rotate(monkeypatch):
         assert worker.take_cancelled() == ["r7"]
     finally:
         worker.stop()
+
+
+class SlowSender(Sender):
+    """Each send takes a while (as an IPC round trip to a busy server would), and counts
+    the sends that completed."""
+
+    def __init__(self, completed: list[int]) -> None:
+        super().__init__()
+        self.completed = completed
+
+    def send(self, response=None, flags: int = 0) -> None:
+        time.sleep(0.01)  # widens the window in which a step could overlap the send
+        super().send(response, flags)
+        self.completed[0] += 1
+
+
+class CountingEngine(ScriptedEngine):
+    """Records, at the start of each step, how many sends had completed."""
+
+    def __init__(self, completed: list[int]) -> None:
+        super().__init__(max_running=2)
+        self.completed = completed
+        self.sends_before_step: list[int] = []
+
+    def step(self) -> list[RequestOutput]:
+        self.sends_before_step.append(self.completed[0])
+        return super().step()
+
+
+def every_step_inflight(request_id: str, sender: Sender, max_tokens: int) -> Inflight:
+    def build(out: RequestOutput):  # a stream at stream_interval 1: a response each step
+        return {"n": np.array([len(out.outputs[0].token_ids)])}
+    return Inflight(request_id, [1, 2], SamplingParams(max_tokens=max_tokens), sender, build,
+                    time.monotonic())
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+def test_a_quiet_loop_steps_only_once_the_last_steps_responses_are_sent(make_loop, quiet):
+    completed = [0]
+    engine = CountingEngine(completed)
+    loop = make_loop(engine, quiet_steps=lambda e: (lambda: quiet))
+    sender = SlowSender(completed)
+    loop.submit(every_step_inflight("r0", sender, max_tokens=4))
+    wait_all([sender])
+    assert len(sender.responses) == 4
+    if quiet:  # a response each step: step k starts once k-1 sends are done
+        assert engine.sends_before_step == [0, 1, 2, 3]
