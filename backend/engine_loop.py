@@ -21,10 +21,6 @@ from backend.metrics import StepMetrics
 from backend.response_worker import ResponseWorker
 
 
-# The longest a step waits for the previous one's sends (~0.1 ms each to the server).
-SEND_WAIT_LIMIT_S = 0.05
-
-
 class EngineLoop:
     """`make_engine` runs on the engine thread: every torch op, the model load and its
     warm-up included, must come from that one thread. libgomp keeps a worker pool per
@@ -35,14 +31,8 @@ class EngineLoop:
 
     def __init__(self, make_engine: Callable[[], Any], worker: ResponseWorker,
                  collect_metrics: bool, max_queue_len: int = 0, fail_at_step: int = 0,
-                 on_death: Callable[[str], None] | None = None,
-                 quiet_steps: Callable[[Any], Callable[[], bool] | None] = lambda engine: None) -> None:
+                 on_death: Callable[[str], None] | None = None) -> None:
         self._worker = worker
-        # Given the built engine, on its thread: None, or a check, before each step, of
-        # whether it must wait until the previous step's responses are out (_await_sends).
-        self._quiet_steps = quiet_steps
-        self._wait_for_sends: Callable[[], bool] | None = None
-        self._sent: threading.Event | None = None  # the last step's responses are out
         self._collect_metrics = collect_metrics
         self._max_queue_len = max_queue_len
         self._fail_at_step = fail_at_step  # test-only: raise outside step() after this step
@@ -118,7 +108,6 @@ class EngineLoop:
     def _run(self, make_engine: Callable[[], Any]) -> None:
         try:
             self.engine = make_engine()
-            self._wait_for_sends = self._quiet_steps(self.engine)
         except BaseException as exc:  # noqa: BLE001 - re-raised by __init__ on the loading thread
             self._build_error = exc
             return
@@ -165,9 +154,8 @@ class EngineLoop:
                            triton_io.INTERNAL)
             step = StepMetrics()
             if self._active:
-                self._await_sends()
                 self._step(step)
-                self._sent = self._worker.step_done()
+                self._worker.step_done()
                 self._num_steps += 1
                 if self._num_steps == self._fail_at_step:
                     raise RuntimeError(f"injected engine-loop failure after step {self._num_steps} "
@@ -249,17 +237,6 @@ class EngineLoop:
             request = self._retire(request_id)
             if request is not None:
                 self._worker.send_error(request.sender, message, code, request_id)
-
-    def _await_sends(self) -> None:
-        """On an engine whose forward pass runs an OpenMP thread on every core, the
-        sends (the stub's IPC, then tritonserver's gRPC writes and the client, all on the
-        same cores) stall the whole pass whenever they preempt one of its threads: each
-        parallel op ends in a barrier. Waiting here until the previous step's responses
-        are handed to the server lets that work run while the engine thread does only
-        Python. Bounded, so a client that blocks the sender cannot stall the engine."""
-        sent, self._sent = self._sent, None
-        if sent is not None and self._wait_for_sends is not None and self._wait_for_sends():
-            sent.wait(SEND_WAIT_LIMIT_S)
 
     def _step(self, step: StepMetrics) -> None:
         try:

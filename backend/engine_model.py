@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from backend import triton_io
 from backend.config_params import split_parameters
@@ -20,19 +20,6 @@ from backend.model_json import read_model_json
 from backend.request_parsing import InvalidRequest
 from backend.response_worker import ResponseWorker
 from engine.faults import take_fault_parameters
-
-
-def _quiet_steps(engine: Any) -> Callable[[], bool] | None:
-    """For a CPU engine: whether its next step must not overlap the previous step's
-    sends (EngineLoop._await_sends), true while its OpenMP pool covers every CPU the
-    process has (the CPU thread governor may shrink it beside a busy neighbour). A GPU
-    engine's host has cores to spare for the sends."""
-    if not engine.config.torch_device.startswith("cpu"):
-        return None
-    import torch
-    from kernels.cpu.features import affinity_cpus
-    num_cpus = len(affinity_cpus())
-    return lambda: torch.get_num_threads() >= num_cpus
 
 
 class EngineModel:
@@ -65,8 +52,7 @@ class EngineModel:
                                     collect_metrics=self.options.report_custom_metrics,
                                     max_queue_len=self.options.max_queue_len,
                                     fail_at_step=faults.loop_step,
-                                    on_death=self._on_engine_death,
-                                    quiet_steps=_quiet_steps)
+                                    on_death=self._on_engine_death)
         except BaseException:
             self._worker.stop()
             raise

@@ -27,6 +27,7 @@ from backend import triton_io
 from backend.metrics import NullMetrics, StepMetrics, TritonMetrics
 
 _STOP = object()
+_STEP_DONE = object()
 # On a fast device steps are a few milliseconds; polling more often buys nothing.
 MIN_CANCEL_POLL_INTERVAL_S = 0.02
 # Polling all 64 streams every step cost ~5% of throughput when done on the engine
@@ -71,13 +72,10 @@ class ResponseWorker:
         if not step.empty():
             self._queue.put(lambda: self._metrics.record(step))
 
-    def step_done(self) -> threading.Event:
+    def step_done(self) -> None:
         """The engine finished a step: check the watched requests for cancellation once
-        this step's responses are out. The event is set when they are out (before the
-        poll), for an engine loop that waits for its sends."""
-        sent = threading.Event()
-        self._queue.put(_StepDone(sent))
-        return sent
+        this step's responses are out."""
+        self._queue.put(_STEP_DONE)
 
     def watch(self, request_id: str, sender: Any) -> None:
         """Poll this request's sender for cancellation until unwatch()."""
@@ -110,8 +108,7 @@ class ResponseWorker:
             task: Callable[[], None] | object = self._queue.get()
             if task is _STOP:
                 return
-            if isinstance(task, _StepDone):
-                task.sent.set()
+            if task is _STEP_DONE:
                 self._poll_cancellations()
                 continue
             try:
@@ -135,13 +132,6 @@ class ResponseWorker:
                 self._cancelled.put(request_id)
             else:
                 watched[request_id] = sender  # to the back of the rotation
-
-
-class _StepDone:
-    __slots__ = ("sent",)
-
-    def __init__(self, sent: threading.Event) -> None:
-        self.sent = sent
 
 
 def _send(sender: Any, tensors: Mapping[str, np.ndarray] | None, final: bool) -> None:
