@@ -28,7 +28,9 @@ import json
 import os
 import resource
 import shutil
+import signal
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -146,6 +148,16 @@ def stub_pid(server_pid: int, model: str) -> int:
     raise RuntimeError(f"no backend stub for {model}")
 
 
+def start_py_spy(pid: int, output: str) -> subprocess.Popen:
+    """py-spy (the venv's) sampling `pid` until SIGINT: collapsed stacks by thread.
+    --nonblocking: the stub is never paused, so the run it samples keeps its pace."""
+    spy = subprocess.Popen([str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(pid),
+                            "--threads", "--nonblocking", "--rate", "200", "--format", "raw",
+                            "--output", output], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # to attach
+    return spy
+
+
 SIDES = ("in-process LLM.generate", "Triton, perf_analyzer", "stream_ceiling, perf_analyzer")
 
 
@@ -186,19 +198,12 @@ def main() -> None:
         local = InProcess(engine_args, rounds[0][0][:2])
 
         def via(model: str, side: str, texts: list[str], lengths: list[int], profile: bool) -> float:
-            spy = None
-            if profile:
-                spy = subprocess.Popen([str(Path(os.sys.executable).parent / "py-spy"), "record",
-                                        "--pid", str(stub_pid(server.process.pid, model)), "--threads",
-                                        "--nonblocking", "--rate", "200", "--format", "raw",
-                                        "--output", args.py_spy], stdout=subprocess.DEVNULL,
-                                       stderr=subprocess.DEVNULL)
-                time.sleep(1.0)  # py-spy attaches
+            spy = start_py_spy(stub_pid(server.process.pid, model), args.py_spy) if profile else None
             before = process_cpu(server.process.pid)
             run = run_perf_analyzer(server.grpc_url, model, texts, lengths, work)
             after = process_cpu(server.process.pid)
             if spy is not None:
-                spy.send_signal(2)  # SIGINT: py-spy writes its file and exits
+                spy.send_signal(signal.SIGINT)  # py-spy writes its file and exits
                 spy.wait(60)
             used = {k: after[k] - before.get(k, 0.0) for k in after}
             used["perf_analyzer"] = run.client_cpu_s
