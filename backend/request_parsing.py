@@ -232,8 +232,8 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
         priority = parse_priority(value)
     add_special = to_bool(_ADD_SPECIAL_TOKENS, sampling.get(_ADD_SPECIAL_TOKENS, True))
     lora_name = parse_lora_name(sampling.get("lora_name"))
-    params = parse_sampling_parameters(sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS,
-                                                         "lora_name"))
+    params = parse_sampling_parameters(
+        sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS, "lora_name"))
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)

@@ -53,11 +53,11 @@ int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
 
 /* Field order and types must match kernels/cpu/decode_step.py. */
 typedef struct {
-    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k] in the step's dtype), else a GGUF type id */
+    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k], the step's dtype), else a GGUF id */
     const void *weight;    /* dense weights, or the GGUF codes */
     const float *scales;   /* GGUF only */
     const float *offsets;  /* GGUF Q4_1 only, else NULL */
-    const void *bias;      /* [n] or NULL: the step's dtype beside dense weights, float32 beside GGUF */
+    const void *bias;      /* [n] or NULL: the step's dtype, float32 beside GGUF blocks */
     int64_t n, k;
 } linear_t;
 
@@ -142,12 +142,15 @@ int decode_step(const model_t *m, const void *x, void *out, void *scratch, int64
                                         (int)dim, (int)m->block_size, max_blocks,
                                         (float)m->scale, bf16, num_threads);
         if (status != 0) return status;
-        if ((status = run_linear(&layer->o, attn, layer_out, bf16, num_threads)) != 0) return status;
+        if ((status = run_linear(&layer->o, attn, layer_out, bf16, num_threads)) != 0)
+            return status;
         norm(bf16, layer_out, residual, layer->post_norm, normed, hidden, eps, num_threads);
         if ((status = run_linear(&layer->gate_up, normed, gate_up, bf16, num_threads)) != 0)
             return status;
-        if (bf16) silu_mul_bf16((const uint16_t *)gate_up, (uint16_t *)act, 1, m->inter, num_threads);
-        else silu_mul_f32((const float *)gate_up, (float *)act, 1, m->inter, num_threads);
+        if (bf16)
+            silu_mul_bf16((const uint16_t *)gate_up, (uint16_t *)act, 1, m->inter, num_threads);
+        else
+            silu_mul_f32((const float *)gate_up, (float *)act, 1, m->inter, num_threads);
         if ((status = run_linear(&layer->down, act, layer_out, bf16, num_threads)) != 0)
             return status;
         layer_in = layer_out;
