@@ -36,7 +36,8 @@ class _Layer(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("rot_half", _I64), ("inter", _I64),
-                ("block_size", _I64), ("is_bf16", _I64), ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("block_size", _I64), ("is_bf16", _I64), ("eps", ctypes.c_double),
+                ("scale", ctypes.c_double),
                 ("cos_table", _P), ("sin_table", _P), ("final_norm", _P),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -50,7 +51,7 @@ def _library() -> ctypes.CDLL | None:
     lib.decode_step_scratch_floats.argtypes = [ctypes.POINTER(_Model)]
     lib.decode_step.restype = _I32
     lib.decode_step.argtypes = [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32,
-                                    _I32, _I32]
+                                _I32, _I32]
     return lib
 
 
@@ -110,9 +111,9 @@ class DecodeStepPlan:
         lib = _library()
         out = torch.empty(1, self.hidden, dtype=self.dtype)
         status = lib.decode_step(ctypes.byref(self._model), embedding.data_ptr(),
-                                     out.data_ptr(), self._scratch.data_ptr(), position, slot,
-                                     block_table.data_ptr(), block_table.shape[-1], seq_len,
-                                     torch.get_num_threads())
+                                 out.data_ptr(), self._scratch.data_ptr(), position, slot,
+                                 block_table.data_ptr(), block_table.shape[-1], seq_len,
+                                 torch.get_num_threads())
         return out if status == 0 else None
 
 
@@ -143,8 +144,8 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
     down = layers[0].down.table
     inter = down.in_features if isinstance(down, GgufWeight) else down.shape[1]
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
-                   block_size, int(dtype == torch.bfloat16), eps, scale, cos_table.data_ptr(), sin_table.data_ptr(),
-                   final_norm.data_ptr(), table)
+                   block_size, int(dtype == torch.bfloat16), eps, scale, cos_table.data_ptr(),
+                   sin_table.data_ptr(), final_norm.data_ptr(), table)
     scratch = torch.empty(_library().decode_step_scratch_floats(ctypes.byref(model)),
                           dtype=torch.float32)
     return DecodeStepPlan(model, [table, layers, cos_table, sin_table, final_norm], scratch)
