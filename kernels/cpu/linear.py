@@ -43,13 +43,20 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _row_operands_fit(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      dtype: torch.dtype) -> bool:
+    """What the dense row kernels take: a 2-D x, W and bias all in `dtype`, on CPU, W and
+    bias contiguous."""
+    return (lib is not None and x.dim() == 2 and x.dtype == dtype and weight.dtype == dtype
+            and x.is_cpu and weight.is_cpu and weight.is_contiguous()
+            and (bias is None or (bias.dtype == dtype and bias.is_contiguous())))
+
+
 def linear_f32_rows(x: torch.Tensor, weight: torch.Tensor,
                     bias: torch.Tensor | None) -> torch.Tensor | None:
     """x W^T + b for a 2-D float32 x on CPU; None if not applicable."""
     lib = _library()
-    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or not x.is_cpu or not weight.is_cpu or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+    if not _row_operands_fit(lib, x, weight, bias, torch.float32):
         return None
     x = x.contiguous()
     rows, k = x.shape
@@ -65,9 +72,7 @@ def linear_bf16_rows(x: torch.Tensor, weight: torch.Tensor,
     """x W^T + b for a 2-D bf16 x and bf16 W (and bias) on CPU, float32 sums; None if not
     applicable."""
     lib = _library()
-    if (lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or not x.is_cpu or not weight.is_cpu or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+    if not _row_operands_fit(lib, x, weight, bias, torch.bfloat16):
         return None
     x = x.contiguous()
     rows, k = x.shape

@@ -66,7 +66,8 @@ static void dot4(const uint16_t *x, const uint16_t *const w[ROWS], int64_t k, fl
 
 #else
 
-typedef float v8f __attribute__((vector_size(32)));
+#include "vec8.h"
+
 typedef uint16_t v8u16 __attribute__((vector_size(16)));
 typedef uint32_t v8u32 __attribute__((vector_size(32)));
 
@@ -78,16 +79,6 @@ static inline v8f widen8(const uint16_t *p) {
     v8f f;
     memcpy(&f, &u, sizeof f);
     return f;
-}
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
 /* x here is the row already widened to float32 (done once per call, not once per W row) */

@@ -11,19 +11,8 @@
  * code from the build's -march, and the 8-wide type splits where registers are narrower.
  */
 #include <stdint.h>
-#include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) {
-    v8f v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float hsum(v8f v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#include "vec8.h"
 
 static float dot_tail(const float *a, const float *b, int64_t from, int64_t k) {
     float s = 0.f;
