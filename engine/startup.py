@@ -47,8 +47,12 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     num_threads = (config.num_threads or max(1, num_cpus // tp_size)) if tp_size > 1 \
         else config.num_threads
     threads = configure_threads(num_threads, num_cpus, config.torch_device)
+    if config.batch_invariant and config.torch_device != "cpu":
+        raise ValueError("batch_invariant runs on the CPU only yet; this engine would run on "
+                         f"{config.torch_device} (set device: cpu)")
     loaded = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
-                        device=config.torch_device, quantization=config.quantization)
+                        device=config.torch_device, quantization=config.quantization,
+                        batch_invariant=config.batch_invariant)
     tensor_parallel = kv_events = None
     try:  # from here a failure must also stop the workers and close the sockets
         if tp_size > 1:
@@ -72,7 +76,8 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
             lora = LoRARuntime(loaded.model, config.lora, loaded.dtype,
                                next(loaded.model.parameters()).device)
         runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
-                             seed=config.seed, faults=faults, send_step=send_step, lora=lora)
+                             seed=config.seed, faults=faults, send_step=send_step, lora=lora,
+                             batch_invariant=config.batch_invariant)
         kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if kv_events.enabled and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "

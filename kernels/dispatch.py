@@ -11,6 +11,13 @@ blocks) into a LinearWeight once (prepacked for oneDNN where that is faster), an
 `linear` picks by its kind and the row count: GGUF native or dense GEMM, the native
 few-row kernel, oneDNN's prepacked GEMM, or F.linear.
 
+Batch-invariant mode (the engine's batch_invariant) takes the row count out of every
+choice: each matmul runs the native row kernel for any number of rows (each output's sum
+over `in` goes in the same fixed order; threads split the outputs, never the sum), GGUF
+weights the int8 kernel's one-row arithmetic, and attention runs every query token as a
+decode row (keys in block_size blocks in position order), so a token's values depend on
+its own row alone. Norms already run per row. kernels/torch_invariant.py covers the rest.
+
 These run ~100 times per decode step, so each does one device test and one call: no
 allocation or feature detection of its own (cpu_native caches its library load). The
 Triton module is imported only for CUDA tensors, so CPU deployments never need triton.
@@ -24,7 +31,7 @@ from kernels.cpu import decode_step as cpu_decode_step
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import native as cpu_native
 from kernels.cpu import onednn as cpu_onednn
-from kernels import torch_ops
+from kernels import torch_invariant, torch_ops
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
 from kernels.linear_weight import LinearWeight
@@ -45,10 +52,15 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int) -> torch.Tensor:
-    """Causal attention of every sequence's query chunk over its paged K/V -> [T, H, D]."""
+                    max_seq_len: int, batch_invariant: bool = False) -> torch.Tensor:
+    """Causal attention of every sequence's query chunk over its paged K/V -> [T, H, D].
+    `batch_invariant`: every token as a decode row (CPU; the engine refuses it on CUDA)."""
     check_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                           seq_lens, scale, max_query_len, max_seq_len)
+    if batch_invariant:
+        return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
+                                         query_start_loc, seq_lens, scale, max_query_len,
+                                         max_seq_len, decode=_invariant_decode, rows_only=True)
     if query.is_cuda:
         from kernels.triton import ops as triton_ops
         return triton_ops.paged_attention(query, key_cache, value_cache, block_tables,
@@ -69,13 +81,25 @@ def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
     return out
 
 
+def _invariant_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+    # The C kernel is one row's online softmax over its blocks, whatever the batch.
+    out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    if out is None:
+        out = torch_invariant.decode_attention(query, key_cache, value_cache, block_tables,
+                                               seq_lens, scale)
+    return out
+
+
 def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor:
-    """residual += x in place (when x is given); returns rms_norm(residual) * weight."""
+                 eps: float, batch_invariant: bool = False) -> torch.Tensor:
+    """residual += x in place (when x is given); returns rms_norm(residual) * weight.
+    The C kernels sum each row alone; `batch_invariant` makes the torch path do so too."""
     if not residual.is_cuda:
         out = cpu_native.add_rms_norm(x, residual, weight, eps)
         if out is not None:
             return out
+    if batch_invariant:
+        return torch_invariant.add_rms_norm(x, residual, weight, eps)
     return torch_ops.add_rms_norm(x, residual, weight, eps)
 
 
@@ -143,10 +167,17 @@ def gguf_kernel_available() -> bool:
 GGUF_DENSE_MIN_ROWS = 256
 
 
-def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None) -> torch.Tensor:
+def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
+                batch_invariant: bool = False) -> torch.Tensor:
     """x W^T + b for W in GGUF blocks ([tokens, in] -> [tokens, out], x's dtype). The
     native kernel quantizes x to int8 per 32-block (as llama.cpp does); the torch path
-    dequantizes W, which is exact but slow (hosts without a C compiler)."""
+    dequantizes W, which is exact but slow (hosts without a C compiler).
+    `batch_invariant`: every row in the kernel's one-row order, for any row count."""
+    if batch_invariant:
+        out = cpu_linear.linear_gguf(x, weight, bias, single_row_order=True)
+        if out is not None:
+            return out
+        return torch_invariant.linear(x, weight.dequantize().to(x.dtype), bias)
     if x.dim() == 2 and x.shape[0] >= GGUF_DENSE_MIN_ROWS:
         dense = cpu_linear.dequantize_rows(weight, None)
         if dense is not None:
@@ -157,13 +188,17 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None) 
     return F.linear(x, weight.dequantize().to(x.dtype), bias)
 
 
-def prepare_linear(weight: torch.Tensor | GgufWeight,
-                   bias: torch.Tensor | None) -> LinearWeight:
+def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
+                   batch_invariant: bool = False) -> LinearWeight:
     """A loaded layer's weight ([out, in] dense, or GGUF blocks) as `linear` runs it:
-    dense ones prepacked for oneDNN where that is the faster CPU GEMM. Run once loading
+    dense ones prepacked for oneDNN where that is the faster CPU GEMM (never under
+    `batch_invariant`: oneDNN picks its blocking by the row count). Run once loading
     (and sharding) is done: the packed copy does not track later edits."""
     if isinstance(weight, GgufWeight):  # the kernel adds a float32 bias
-        return LinearWeight(None, None if bias is None else bias.float(), quantized=weight)
+        return LinearWeight(None, None if bias is None else bias.float(), quantized=weight,
+                            batch_invariant=batch_invariant)
+    if batch_invariant:
+        return LinearWeight(weight, bias, batch_invariant=True)
     return LinearWeight(weight, bias, packed=cpu_onednn.prepack(weight))
 
 
@@ -171,13 +206,29 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     """x W^T + b, [tokens, in] -> [tokens, out]. A LinearWeight(dense, bias) built
     without prepare_linear (a model not yet loaded) runs unpacked."""
     if weight.quantized is not None:
-        return gguf_linear(x, weight.quantized, weight.bias)
+        return gguf_linear(x, weight.quantized, weight.bias, weight.batch_invariant)
+    if weight.batch_invariant:
+        return invariant_linear(x, weight.dense, weight.bias)
     out = dense_linear_rows(x, weight.dense, weight.bias)
     if out is not None:
         return out
     if weight.packed is not None:
         return cpu_onednn.linear(x, weight.packed, weight.bias)
     return F.linear(x, weight.dense, weight.bias)
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T + b with each row's sums in one fixed order for any row count: the native
+    row kernel (float32, bf16; it keeps 4 rows of W in L1 while every x row meets them,
+    so long chunks read W once), else torch one row at a time."""
+    out = None
+    if x.dim() == 2 and not x.is_cuda:
+        if x.dtype == torch.bfloat16:
+            out = cpu_linear.linear_bf16_rows(x, weight, bias)
+        elif x.dtype == torch.float32:
+            out = cpu_linear.linear_f32_rows(x, weight, bias)
+    return out if out is not None else torch_invariant.linear(x, weight, bias)
 
 
 def gguf_embedding(token_ids: torch.Tensor, weight: GgufWeight, dtype: torch.dtype) -> torch.Tensor:

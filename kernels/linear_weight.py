@@ -13,19 +13,26 @@ from kernels.cpu.gguf_weight import GgufWeight
 class LinearWeight:
     """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks replace it;
     packed: oneDNN's blocked copy of dense, where prepacking pays off (CPU);
-    quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks)."""
+    quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);
+    batch_invariant: every row runs the one kernel whose sums over `in` go in a fixed order,
+    whatever the row count (never packed then)."""
 
     # Slots: dispatch.linear reads these ~120 times a decode step.
-    __slots__ = ("dense", "packed", "quantized", "bias")
+    __slots__ = ("dense", "packed", "quantized", "bias", "batch_invariant")
 
     def __init__(self, dense: torch.Tensor | None, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None = None, quantized: GgufWeight | None = None) -> None:
+                 packed: torch.Tensor | None = None, quantized: GgufWeight | None = None,
+                 batch_invariant: bool = False) -> None:
         self.dense, self.bias, self.packed, self.quantized = dense, bias, packed, quantized
+        self.batch_invariant = batch_invariant
 
     @property
     def kind(self) -> str:
-        """"gguf", "onednn" (prepacked) or "dense": the family dispatch.linear runs; within
-        it the row count still picks (native rows for few, a dense GEMM for long chunks)."""
+        """"gguf", "onednn" (prepacked), "dense" or "invariant" (dense, row kernel for any
+        row count): the family dispatch.linear runs; within the first three the row count
+        still picks (native rows for few, a dense GEMM for long chunks)."""
+        if self.batch_invariant and self.quantized is None:
+            return "invariant"
         if self.quantized is not None:
             return "gguf"
         return "dense" if self.packed is None else "onednn"

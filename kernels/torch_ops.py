@@ -45,7 +45,7 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, decode=None) -> torch.Tensor:
+                    max_seq_len: int, decode=None, rows_only: bool = False) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
     Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
@@ -53,6 +53,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     per-sequence bookkeeping. max_seq_len is not needed on CPU. `decode`: a faster
     implementation of decode_attention (same signature) to use for the decode rows and,
     as rows with their own context lengths, for short prefill chunks (ROWS_MAX_WORK).
+    `rows_only`: every query token goes through `decode` as a row (batch-invariant mode:
+    a token's attention then depends on its position alone, not on its chunk).
     """
     fast_decode = decode
     decode = decode or decode_attention
@@ -67,7 +69,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if total_tokens < num_tokens:
         out[total_tokens:].zero_()
     as_rows = query_lens == 1
-    if fast_decode is not None:
+    if rows_only:
+        as_rows = torch.ones_like(as_rows)
+    elif fast_decode is not None:
         as_rows |= query_lens.long() * seq_lens.long() <= ROWS_MAX_WORK
     if bool(as_rows.any()):
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=query.device),

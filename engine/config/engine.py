@@ -54,6 +54,10 @@ class EngineConfig:
     # instance_group count > 1), as vLLM's data-parallel rank: it tags KV-event batches and
     # offsets their ports. Set by the backend, not by users.
     data_parallel_rank: int = 0
+    # vLLM's VLLM_BATCH_INVARIANT as an argument: a request's tokens and logprobs do not
+    # depend on the rest of the batch, its chunking or prefix hits (kernels/dispatch.py
+    # picks kernels whose reduction order is fixed per row). CPU, one rank, no LoRA.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -81,6 +85,19 @@ class EngineConfig:
                              f"combined with tensor_parallel_size={self.tensor_parallel_size}")
         if self.lora.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
+        if self.batch_invariant:
+            self._check_batch_invariant()
+
+    def _check_batch_invariant(self) -> None:
+        # The all-reduce sums ranks' partials in an order its chunking (the batch's size)
+        # decides, and the LoRA update runs torch matmuls sized by each adapter's rows.
+        if self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant is not supported with tensor_parallel_size > 1")
+        if self.lora.enable_lora:
+            raise ValueError("batch_invariant is not supported with enable_lora yet")
+        if self.device.startswith("cuda"):
+            raise ValueError("batch_invariant runs on the CPU only yet, got device "
+                             f"{self.device!r}")
 
     @property
     def torch_device(self) -> str:

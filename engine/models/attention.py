@@ -34,6 +34,8 @@ class PagedAttention(nn.Module):
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5
+        # Set by LlamaForCausalLM.prepack: every token attends as its own row.
+        self.batch_invariant = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor],
@@ -43,4 +45,4 @@ class PagedAttention(nn.Module):
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return paged_attention(q, key_cache, value_cache, meta.block_tables,
                                meta.query_start_loc, meta.seq_lens, self.scale,
-                               meta.max_query_len, meta.max_seq_len)
+                               meta.max_query_len, meta.max_seq_len, self.batch_invariant)

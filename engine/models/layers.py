@@ -27,9 +27,11 @@ class Linear(nn.Module):
         # None until prepack / quantize: the parameters then run as they are.
         self.prepared: LinearWeight | None = None
 
-    def prepack(self) -> None:
+    def prepack(self, batch_invariant: bool = False) -> None:
         if self.weight is not None:
-            self.prepared = dispatch.prepare_linear(self.weight, self.bias)
+            self.prepared = dispatch.prepare_linear(self.weight, self.bias, batch_invariant)
+        elif self.prepared is not None:  # GGUF blocks, prepared by quantize
+            self.prepared.batch_invariant = batch_invariant
 
     def quantize(self, weight: GgufWeight) -> None:
         if (weight.out_features, weight.in_features) != tuple(self.weight.shape):
@@ -64,13 +66,15 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = empty_param(hidden_size, dtype=dtype)
         self.eps = eps
+        self.batch_invariant = False  # set by LlamaForCausalLM.prepack
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); the residual is updated in place."""
         if residual is None:
-            return dispatch.add_rms_norm(None, x, self.weight, self.eps), x
-        return dispatch.add_rms_norm(x, residual, self.weight, self.eps), residual
+            return dispatch.add_rms_norm(None, x, self.weight, self.eps, self.batch_invariant), x
+        return (dispatch.add_rms_norm(x, residual, self.weight, self.eps, self.batch_invariant),
+                residual)
 
 
 class SwiGLUMLP(nn.Module):

@@ -169,15 +169,22 @@ class LlamaForCausalLM(nn.Module):
             logits = self.gather_logits(logits)
         return logits.float() if upcast else logits
 
-    def prepack(self) -> None:
+    def prepack(self, batch_invariant: bool = False) -> None:
         """Hand the dense weights to kernels.dispatch to lay out for their matmuls (on
         the CPU, oneDNN's blocked copies). Must run after load_weights and sharding:
-        packed copies do not track edits."""
+        packed copies do not track edits. `batch_invariant`: every matmul, norm and
+        attention takes the kernels whose per-row results do not depend on the batch
+        (kernels/dispatch.py); the fused single-sequence decode runs those same kernels."""
         for module in self.modules():
             if isinstance(module, Linear):
-                module.prepack()
+                module.prepack(batch_invariant)
+            elif isinstance(module, (RMSNorm, PagedAttention)):
+                module.batch_invariant = batch_invariant
         if self.lm_head_weight is not None:
-            self.lm_head_prepared = dispatch.prepare_linear(self.lm_head_weight, None)
+            self.lm_head_prepared = dispatch.prepare_linear(self.lm_head_weight, None,
+                                                            batch_invariant)
+        elif self.lm_head_prepared is not None:  # GGUF blocks
+            self.lm_head_prepared.batch_invariant = batch_invariant
 
     def quantize(self, weights: dict[str, GgufWeight]) -> None:
         """Swap dense weights for GGUF-quantized ones, by module name ("lm_head" and

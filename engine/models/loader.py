@@ -157,12 +157,14 @@ def _quantize(net: nn.Module, model: str | os.PathLike | None, quantization: str
 
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = "auto",
                tokenizer: str | os.PathLike | None = None,
-               device: str | torch.device = "cpu", quantization: str | None = None) -> LoadedModel:
+               device: str | torch.device = "cpu", quantization: str | None = None,
+               batch_invariant: bool = False) -> LoadedModel:
     """Build our model from `model` (HF folder, .gguf file, or None for the embedded default).
 
     `tokenizer`: a folder to take the tokenizer from instead of the model's.
     `quantization`: None (weights in `dtype`) or "gguf" (a GGUF model's Q4_0/Q4_1/Q8_0
-    tensors stay in their blocks; CPU only)."""
+    tensors stay in their blocks; CPU only). `batch_invariant`: kernels whose per-row
+    results do not depend on the batch (LlamaForCausalLM.prepack)."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
@@ -183,7 +185,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     net.to(device)
     if quantization is not None:
         _quantize(net, model, quantization, device)
-    net.prepack()  # CPU only; a no-op elsewhere
+    net.prepack(batch_invariant)  # CPU only; a no-op elsewhere
     tok = load_tokenizer(model_dir, tokenizer)
     return LoadedModel(
         model=net, hf_config=config, tokenizer=tok, model_dir=model_dir,

@@ -9,6 +9,7 @@ import torch
 from engine.structured_output.bitmask import apply_bitmask
 from engine.core.request import Request
 from engine.sample.metadata import PenaltyTensors, SamplerState, SamplingMetadata
+from engine.sample.rowwise import join_rows, sample_each_row
 from kernels import dispatch
 
 _NEG_INF = float("-inf")
@@ -44,15 +45,21 @@ class Sampler:
     re-run alone to name the culprits (only on that failure path: the batch pays nothing).
     The logits are the call's own: structured-output rows are masked in them in place."""
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, batch_invariant: bool = False) -> None:
         self.state = SamplerState()
+        # Each row sampled alone (engine/sample/rowwise.py): prepare() then returns a
+        # list with one SamplingMetadata a request.
+        self.batch_invariant = batch_invariant
         # Unseeded rows share one generator per device; a seed here makes whole runs repeatable.
         self._seed = seed
         self._shared: dict[torch.device, torch.Generator] = {}
 
     def prepare(self, requests: list[Request], vocab_size: int,
-                device: torch.device | str) -> SamplingMetadata:
+                device: torch.device | str) -> SamplingMetadata | list[SamplingMetadata]:
         try:
+            if self.batch_invariant:
+                return [SamplingMetadata.build([r], vocab_size, device, self.state)
+                        for r in requests]
             return SamplingMetadata.build(requests, vocab_size, device, self.state)
         except Exception as exc:
             failed = _rows_failing_alone(requests, vocab_size, device, None)
@@ -61,7 +68,13 @@ class Sampler:
     def free(self, request_id: str) -> None:
         self.state.free(request_id)
 
-    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor,
+                 metadata: SamplingMetadata | list[SamplingMetadata]) -> SamplerOutput:
+        if isinstance(metadata, list):
+            outputs, failed, error = sample_each_row(self._sample_batch, logits, metadata)
+            if failed:
+                raise SamplingError(f"{type(error).__name__}: {error}", failed) from error
+            return join_rows(outputs, SamplerOutput)
         try:
             return self._sample_batch(logits, metadata)
         except Exception as exc:

@@ -57,7 +57,7 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int,
                  seed: int = 0, faults: FaultPlan = FaultPlan(),
                  send_step: Callable[[StepInputs], None] | None = None,
-                 lora: "LoRARuntime | None" = None) -> None:
+                 lora: "LoRARuntime | None" = None, batch_invariant: bool = False) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
@@ -67,7 +67,8 @@ class ModelRunner:
         self.kv_caches = [(host_memory.zeros(shape, loaded.dtype, self.device),
                            host_memory.zeros(shape, loaded.dtype, self.device))
                           for _ in range(loaded.num_layers)]
-        self.sampler = Sampler(seed)
+        # batch_invariant: each request's row sampled alone (engine/sample/sampler.py).
+        self.sampler = Sampler(seed, batch_invariant=batch_invariant)
         self.fail_at_step = faults.model_step
         self.num_steps = 0
         self.decode_graphs: DecodeGraphs | None = None

@@ -20,6 +20,8 @@ _SIGNATURES = {
     "linear_bf16_rows": (_I32, [_P, _P, _P, _P, _I64, _I64, _I64, _I32]),
     "linear_bf16_uses_dpbf16": (_I32, []),
     "linear_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
+    "linear_gguf_rows": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32,
+                                _I32]),
     "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
 }
 
@@ -90,10 +92,12 @@ def bf16_rows_use_dpbf16() -> bool | None:
     return None if lib is None else bool(lib.linear_bf16_uses_dpbf16())
 
 
-def linear_gguf(x: torch.Tensor, weight: GgufWeight,
-                bias: torch.Tensor | None) -> torch.Tensor | None:
+def linear_gguf(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
+                single_row_order: bool = False) -> torch.Tensor | None:
     """x W^T + b with W in its GGUF codes (x quantized to int8 per 32-block inside the
-    kernel, as llama.cpp does), output in x's dtype; None if not applicable."""
+    kernel, as llama.cpp does), output in x's dtype; None if not applicable.
+    `single_row_order`: every row summed as a lone row is (no 4-row tiles), so a row's
+    result does not depend on how many rows come with it."""
     lib = _library()
     # is_cpu, not device.type, and sizes as arguments: ~120 calls a decode step, where
     # building device objects and shape tuples costs more than the small layers' math.
@@ -104,8 +108,9 @@ def linear_gguf(x: torch.Tensor, weight: GgufWeight,
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     is_bf16 = int(x.dtype == torch.bfloat16)
-    status = lib.linear_gguf(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0], _ptr(bias),
-                             out.data_ptr(), is_bf16, torch.get_num_threads())
+    kernel = lib.linear_gguf_rows if single_row_order else lib.linear_gguf
+    status = kernel(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0], _ptr(bias),
+                    out.data_ptr(), is_bf16, torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -329,9 +329,10 @@ static inline void store_output(void *y, int out_bf16, int64_t n, int64_t r, int
  * their errors cancel; with the exact sum(x) the error was 2.2x larger on SmolLM2. Each thread streams its own slice of W's
  * rows once; a row stays in L1 while every activation row meets it.
  * Returns -1 for an unknown type or a k that is not whole blocks, -2 without memory. */
-int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
-                int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
-                int out_bf16, int num_threads) {
+static int linear_gguf_impl(int type, const uint8_t *qs, const float *d, const float *offset,
+                            int64_t n, int64_t k, const void *x, int x_bf16, int64_t m,
+                            const float *bias, void *y, int out_bf16, int num_threads,
+                            int allow_tiles) {
     if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
     const int is_q8 = type == Q8_0;
     const int64_t nblk = k / QK, row_bytes = is_q8 ? k : k / 2;
@@ -341,7 +342,7 @@ int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset
     int8_t *xq = (int8_t *)(qsums + m * nblk);
     quantize_rows_q8(x, x_bf16, m, k, !is_q8, xq, scales, qsums, num_threads);
 #if defined(__AVX2__)
-    if (m >= 2) {
+    if (m >= 2 && allow_tiles) {
         const int64_t npairs = nblk / 2;
         float *xs_pairs = NULL;
         if (!is_q8 && npairs > 0) {
@@ -423,4 +424,21 @@ int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const floa
         }
     }
     return 0;
+}
+
+int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
+                int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
+                int out_bf16, int num_threads) {
+    return linear_gguf_impl(type, qs, d, offset, n, k, x, x_bf16, m, bias, y, out_bf16,
+                            num_threads, 1);
+}
+
+/* linear_gguf with one row's arithmetic (dot_rows) for every row, whatever m is: the sums
+ * round as for a single row, so a row's result does not depend on its batch (the
+ * engine's batch_invariant mode). */
+int linear_gguf_rows(int type, const uint8_t *qs, const float *d, const float *offset,
+                     int64_t n, int64_t k, const void *x, int x_bf16, int64_t m,
+                     const float *bias, void *y, int out_bf16, int num_threads) {
+    return linear_gguf_impl(type, qs, d, offset, n, k, x, x_bf16, m, bias, y, out_bf16,
+                            num_threads, 0);
 }
