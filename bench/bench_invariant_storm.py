@@ -66,9 +66,10 @@ async def _run(url: str, prompts: list[str], streams: int, max_tokens: int) -> d
             "errors": errors, "tok_s": completed * max_tokens / seconds}
 
 
-def run_mode(dtype: str, invariant: bool, streams: int, max_tokens: int) -> dict:
+def run_mode(model: str, dtype: str, invariant: bool, streams: int, max_tokens: int) -> dict:
     work = Path(tempfile.mkdtemp(prefix="storm-"))
-    params = {**ENGINE_ARGS, "dtype": dtype, "batch_invariant": str(invariant).lower()}
+    params = {**ENGINE_ARGS, "model": model, "dtype": dtype,
+              "batch_invariant": str(invariant).lower()}
     repo = copy_repository(REPO_ROOT / "model_repository", work / "models", models=["llm"],
                            params={"llm": params})
     server = TritonServer(repo, ServerPorts.free(), log_path=work / "tritonserver.log",
@@ -85,6 +86,7 @@ def run_mode(dtype: str, invariant: bool, streams: int, max_tokens: int) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="", help="HF folder (default: the embedded SmolLM2)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--streams", type=int, default=60)
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -92,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     host = cpu_features.detect().describe()
     for mode in args.modes.split(","):
-        r = run_mode(args.dtype, mode == "invariant", args.streams, args.max_tokens)
+        r = run_mode(args.model, args.dtype, mode == "invariant", args.streams, args.max_tokens)
         print(f"{args.dtype} batch_invariant={mode == 'invariant'} on {host}: "
               f"{r['completed']} completed, {r['cancelled']} cancelled, {r['errors']} errors, "
               f"{r['mismatched']} mismatched; crowd {r['tok_s']:.1f} output tok/s", flush=True)
