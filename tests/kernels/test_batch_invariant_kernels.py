@@ -22,11 +22,12 @@ def _x_and_weight(dtype, k=579, n=37, rows=67, seed=0):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_invariant_linear_rows_are_bit_equal_for_any_row_count(dtype):
     """k = 579 leaves a tail past the 8-wide loop; float16 takes the torch row-by-row path."""
-    x, weight, bias = _x_and_weight(dtype)
+    rows = 20 if dtype == torch.float16 else 67  # float16's torch GEMV is slow on CPUs
+    x, weight, bias = _x_and_weight(dtype, rows=rows)
     prepared = dispatch.prepare_linear(weight, bias, batch_invariant=True)
     assert prepared.kind == "invariant" and prepared.packed is None
     full = dispatch.linear(x, prepared)
-    for m in ROW_COUNTS:
+    for m in (m for m in ROW_COUNTS if m <= rows):
         assert torch.equal(dispatch.linear(x[:m], prepared), full[:m]), m
     # the same row at another place in another batch
     order = torch.randperm(x.shape[0], generator=torch.Generator().manual_seed(1))
