@@ -4,9 +4,10 @@ Reads the served model's trace (tuning/server_trace.py), fits the step model, se
 as the offline tuner does, and prints the recommendation. With --apply, and only when
 the step model's error on held-out steps is within --max-step-error, loads the model
 again with the recommended settings (tuning/apply.py; the replaced config is saved for
---rollback), lets traffic run for --window seconds, then replays the requests of that
-window under the new settings with the step model and prints the prediction beside what
-the server measured.
+--rollback), waits until the old instance has finished what it held (its trace stops
+growing), lets traffic run for --window seconds, then replays the new instance's requests
+under the new settings with the step model and prints the prediction beside what the
+server measured, for the requests that arrived after that wait.
 
 Exit status: 0 done (or nothing to change), 2 refused (the step model is too inexact),
 1 the load failed."""
@@ -18,10 +19,11 @@ from pathlib import Path
 
 from tuning.apply import (Repository, changed_arguments, load_previous, parameters,
                           save_previous, with_parameters)
-from tuning.replay import Summary, measured, replay
-from tuning.server_trace import local_path, next_trace_path, recent, trace_path_of
+from tuning.replay import Summary, measured, replay, summarize
+from tuning.server_trace import (local_path, next_trace_path, recent, trace_path_of,
+                                 wait_drained)
 from tuning.step_model import StepModel, held_out_error, step_durations
-from tuning.trace_file import read_trace
+from tuning.trace_file import Trace, read_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -87,10 +89,12 @@ def tune_server(repo: Repository, args: argparse.Namespace, saved: Path,
     except Exception as exc:  # Triton's error, shown as is; the old instance serves on
         print(f"the load failed: {exc}")
         return 1
-    print(f"loaded; measuring {args.window:g} s")
+    print("loaded; waiting for the old instance to finish its requests")
+    drained = wait_drained(local_path(server_trace, args.trace))
+    print(f"drained; measuring {args.window:g} s")
     time.sleep(args.window)
     window = read_trace(local_path(new_trace, args.trace))
-    print(window_report(window, model, changes))
+    print(window_report(window, model, changes, drained))
     return 0
 
 
@@ -112,14 +116,21 @@ def rollback(repo: Repository, model: str, saved: Path) -> int:
     return 0
 
 
-def window_report(window, model: StepModel, changes: dict[str, str]) -> str:
-    if not window.requests:
-        return "no request finished in the window: nothing to compare"
+def window_report(window: Trace, model: StepModel, changes: dict[str, str],
+                  drained_wall: float) -> str:
+    """Predicted vs measured for the requests that arrived once the new instance ran
+    alone. The replay runs every request of the new trace (the earlier ones load it too)."""
+    since = drained_wall - window.header["origin_wall_time"]
+    measured_alone = [r for r in window.requests if r["arrival"] >= since]
+    if not measured_alone:
+        return "no request arrived and finished in the window: nothing to compare"
     applied = {k: window.engine_args.get(k) for k in changes}
-    lines = [f"window: {len(window.requests)} requests, {len(window.steps)} steps under "
-             f"{describe(applied)}"]
-    predicted = replay(window, model)
-    lines.append(comparison(measured(window), predicted))
+    lines = [f"window: {len(measured_alone)} requests (of {len(window.requests)} on the new "
+             f"instance) under {describe(applied)}"]
+    replayed = replay(window, model).extra["per_request"]
+    predicted = summarize([replayed[r["id"]] for r in measured_alone])
+    actual = measured(Trace(window.header, measured_alone, []))
+    lines.append(comparison(actual, predicted))
     return "\n".join(lines)
 
 

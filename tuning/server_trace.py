@@ -41,6 +41,22 @@ def local_path(server_path: str, local_trace: str | None) -> Path:
     return Path(local_trace).with_name(PurePath(server_path).name)
 
 
+def wait_drained(path: Path, quiet_s: float = 3.0, timeout_s: float = 900.0) -> float:
+    """The wall time the trace at `path` last grew, once it has not grown for `quiet_s`:
+    after a reload, the old instance has then finished the requests it still held (a busy
+    engine writes a record every step). Until then both instances share the CPUs."""
+    deadline = time.monotonic() + timeout_s
+    size, changed = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        stat = path.stat()
+        if stat.st_size != size:
+            size, changed = stat.st_size, time.monotonic()
+        elif time.monotonic() - changed >= quiet_s:
+            return stat.st_mtime
+        time.sleep(0.25)
+    raise TimeoutError(f"{path} still grows {timeout_s:.0f} s after the reload")
+
+
 def recent(trace: Trace, seconds: float | None) -> Trace:
     """The last `seconds` of the trace (all of it for None): requests that arrived and
     steps that started in that span."""

@@ -139,6 +139,7 @@ def check_apply(handle, work, tmp_path, capsys, server, repo):
     blocks = after.get("num_kv_blocks", before["num_kv_blocks"])
     deadline = time.monotonic() + 20
     while not any(k.startswith("vllm:cache_config_info") and f'model="{MODEL}"' in k
-                  and f'num_gpu_blocks="{blocks}"' in k for k in scrape_metrics(handle.metrics_url)):
+                  and f'num_gpu_blocks="{blocks}"' in k
+                  for k in scrape_metrics(handle.metrics_url)):
         assert time.monotonic() < deadline, "vllm:cache_config_info lacks the applied pool"
         time.sleep(0.5)

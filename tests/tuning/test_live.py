@@ -16,7 +16,8 @@ from tuning.trace_file import read_trace
 def test_each_load_gets_a_new_trace_beside_the_old_one():
     first = next_trace_path("/srv/traces/llm.jsonl", "20261202T030000")
     assert first == "/srv/traces/llm.tuned-20261202T030000.jsonl"
-    assert next_trace_path(first, "20261202T040000") == "/srv/traces/llm.tuned-20261202T040000.jsonl"
+    second = next_trace_path(first, "20261202T040000")
+    assert second == "/srv/traces/llm.tuned-20261202T040000.jsonl"  # one tag, the newest
     assert str(local_path(first, "/mnt/x/llm.jsonl")) == "/mnt/x/llm.tuned-20261202T030000.jsonl"
     with pytest.raises(ValueError, match="trace_path"):
         trace_path_of({"parameters": {"max_num_seqs": {"string_value": "8"}}}, "llm")
