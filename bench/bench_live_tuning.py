@@ -53,9 +53,14 @@ class PoissonLoad:
             text = " ".join(self.rng.choice(WORDS) for _ in range(self.rng.randint(32, 160)))
             n = self.rng.randint(16, 64)
             sampling = {"temperature": 0, "max_tokens": n, "min_tokens": n, "ignore_eos": True}
-            self.client.async_stream_infer("llm", build_grpc_inputs(text, sampling),
-                                           request_id=str(self.sent),
-                                           enable_empty_final_response=True)
+            try:
+                self.client.async_stream_infer("llm", build_grpc_inputs(text, sampling),
+                                               request_id=str(self.sent),
+                                               enable_empty_final_response=True)
+            except Exception as exc:  # the stream broke: its error came to the callback
+                with self.lock:
+                    self.errors.append(f"sending stopped: {exc}")
+                return
             with self.lock:
                 self.sent += 1
 
