@@ -29,6 +29,8 @@ def read_trace(path: str | Path) -> Trace:
             for number, line in enumerate(f, 1):
                 if not line.strip():
                     continue
+                if part == path and not line.endswith("\n"):
+                    break  # a live trace's last line may be half written
                 try:
                     record = json.loads(line)
                 except json.JSONDecodeError as exc:  # a crash may cut the last line
@@ -42,6 +44,8 @@ def read_trace(path: str | Path) -> Trace:
                     trace.requests.append(record)
                 elif kind == "step":
                     trace.steps.append(record)
+    if trace is None:
+        raise ValueError(f"{path}: no header yet")
     trace.requests.sort(key=lambda r: r["arrival"])
     trace.steps.sort(key=lambda s: s["start"])
     return trace

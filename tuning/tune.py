@@ -1,6 +1,8 @@
 """Engine settings for a recorded workload and a latency target.
 
     python -m tuning.tune TRACE --slo-ttft-p99 2.0 --slo-itl-p99 0.15 [--plot frontier.png]
+    python -m tuning.tune --server localhost:8000 --slo-ttft-p99 2.0 --slo-itl-p99 0.15 \
+        [--apply [--window 60]] | --server localhost:8000 --rollback   (tuning/live.py)
 
 Each candidate setting is replayed (tuning/replay.py) at the recorded arrival rate and
 at faster ones (arrivals compressed in time) to find the highest load it serves within
@@ -195,23 +197,37 @@ def report(trace: Trace, evaluations: list[Evaluation], slo: Slo) -> tuple[str, 
 
 
 def main(argv: list[str] | None = None) -> None:
+    from tuning import live
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace")
-    parser.add_argument("--slo-ttft-p99", type=float, required=True, help="seconds")
-    parser.add_argument("--slo-itl-p99", type=float, required=True, help="seconds")
+    parser.add_argument("trace", nargs="?", help="a trace file (or --server)")
+    parser.add_argument("--slo-ttft-p99", type=float, help="seconds")
+    parser.add_argument("--slo-itl-p99", type=float, help="seconds")
     parser.add_argument("--plot", help="write the throughput vs p99 TTFT plot here (PNG)")
     parser.add_argument("--quiet", action="store_true", help="no line per setting")
+    live.add_arguments(parser)
     args = parser.parse_args(argv)
+    if (args.trace is None) == (args.server is None):
+        parser.error("give a trace file or --server URL")
+    if not args.rollback and (args.slo_ttft_p99 is None or args.slo_itl_p99 is None):
+        parser.error("--slo-ttft-p99 and --slo-itl-p99 are required")
+    slo = Slo(args.slo_ttft_p99, args.slo_itl_p99)
+    log = (lambda _: None) if args.quiet else print
+
+    def search_and_report(trace: Trace, model: StepModel) -> tuple[str, dict[str, Any]]:
+        evaluations = search(trace, model, slo, log=log)
+        text, chosen = report(trace, evaluations, slo)
+        if args.plot:
+            plot(evaluations, chosen, slo, args.plot)
+            text += f"\nplot: {args.plot}"
+        return text, overrides(chosen.settings, trace)
+
+    if args.server is not None:
+        raise SystemExit(live.run(args, search_and_report))
     trace = read_trace(args.trace)
     model, error = held_out_error(step_durations(trace))
     print(f"step model: {len(trace.steps)} recorded steps, held-out error {error['mape']:.1%}")
-    slo = Slo(args.slo_ttft_p99, args.slo_itl_p99)
-    evaluations = search(trace, model, slo, log=(lambda _: None) if args.quiet else print)
-    text, chosen = report(trace, evaluations, slo)
-    print(text)
-    if args.plot:
-        plot(evaluations, chosen, slo, args.plot)
-        print(f"plot: {args.plot}")
+    print(search_and_report(trace, model)[0])
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ class TraceRecorder:
         self._step_features: dict[str, int] | None = None
 
     def _open(self) -> None:
-        self._file = open(self.path, "w", encoding="utf-8", buffering=1 << 16)
+        # Line-buffered: a live reader (python -m tuning.tune --server) sees each record
+        # as it is written, idle or not; one write per step is noise beside the step.
+        self._file = open(self.path, "w", encoding="utf-8", buffering=1)
         self._write(self._header)
 
     def _write(self, record: dict[str, Any]) -> None:

@@ -186,6 +186,7 @@ def test_tuner_finds_a_setting_that_meets_the_target(tmp_path):
 def test_the_tuning_package_needs_no_torch():
     import subprocess
     import sys
-    code = ("import sys, tuning.replay, tuning.tune, tuning.step_model, tuning.workload; "
+    code = ("import sys, tuning.replay, tuning.tune, tuning.step_model, tuning.workload, "
+            "tuning.live; "
             "assert not {'torch', 'triton', 'kernels'} & set(sys.modules), sys.modules.keys()")
     subprocess.run([sys.executable, "-c", code], check=True)
