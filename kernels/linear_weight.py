@@ -12,22 +12,28 @@ from kernels.cpu.gguf_weight import GgufWeight
 
 class LinearWeight:
     """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks replace it;
-    packed: oneDNN's blocked copy of dense, where prepacking pays off (CPU);
+    panels: dense packed for the native float32 GEMM (kernels/cpu/gemm.py), on CPUs where
+    it is the fastest; packed: oneDNN's blocked copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks)."""
 
     # Slots: dispatch.linear reads these ~120 times a decode step.
-    __slots__ = ("dense", "packed", "quantized", "bias")
+    __slots__ = ("dense", "packed", "quantized", "bias", "panels")
 
     def __init__(self, dense: torch.Tensor | None, bias: torch.Tensor | None,
-                 packed: torch.Tensor | None = None, quantized: GgufWeight | None = None) -> None:
+                 packed: torch.Tensor | None = None, quantized: GgufWeight | None = None,
+                 panels: torch.Tensor | None = None) -> None:
         self.dense, self.bias, self.packed, self.quantized = dense, bias, packed, quantized
+        self.panels = panels
 
     @property
     def kind(self) -> str:
-        """"gguf", "onednn" (prepacked) or "dense": the family dispatch.linear runs; within
-        it the row count still picks (native rows for few, a dense GEMM for long chunks)."""
+        """"gguf", "panels" (the native GEMM), "onednn" (prepacked) or "dense": the family
+        dispatch.linear runs; within it the row count still picks (native rows for few, a
+        dense GEMM for long chunks)."""
         if self.quantized is not None:
             return "gguf"
+        if self.panels is not None:
+            return "panels"
         return "dense" if self.packed is None else "onednn"
 
     @property
