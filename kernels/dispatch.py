@@ -9,7 +9,7 @@ an ISA-specific kernel means one more branch here; the callers do not change.
 The model's matmuls come here too: `prepare_linear` turns a loaded weight (dense, or GGUF
 blocks) into a LinearWeight once (prepacked for oneDNN where that is faster), and
 `linear` picks by its kind and the row count: GGUF native or dense GEMM, the native
-few-row kernel, oneDNN's prepacked GEMM, or F.linear.
+few-row kernel, the native float32 GEMM (AVX2 hosts), oneDNN's prepacked GEMM, or F.linear.
 
 Batch-invariant mode (the engine's batch_invariant) takes the row count out of every
 choice: each matmul runs the native row kernel for any number of rows (each output's sum
@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import decode_step as cpu_decode_step
+from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import native as cpu_native
 from kernels.cpu import onednn as cpu_onednn
@@ -165,6 +166,11 @@ def gguf_kernel_available() -> bool:
 # tiles, and writing W out once (~0.5 ns a weight) is paid back over the rows. Below it
 # the int8 kernel wins (1.2x oneDNN at 16 rows, 0.9-1.1x at 64; 2-core AVX2 EPYC).
 GGUF_DENSE_MIN_ROWS = 256
+# Where the native float32 GEMM is preferred (AVX2), float32 batches from this many rows
+# widen W a few rows at a time inside it instead: 1.1-1.2x the int8 kernel at 16 rows,
+# 1.3x at 64, 1.5-1.7x at 128, 0.55-0.7x at 8 (SmolLM2's layers, Q4_1 and Q8_0, 1 thread's
+# CPU time on a 2-core AVX2 EPYC).
+GGUF_PANEL_MIN_ROWS = 16
 
 
 def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
@@ -178,6 +184,11 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
         if out is not None:
             return out
         return torch_invariant.linear(x, weight.dequantize().to(x.dtype), bias)
+    if (x.dim() == 2 and x.shape[0] >= GGUF_PANEL_MIN_ROWS and x.dtype == torch.float32
+            and cpu_gemm.preferred()):
+        out = cpu_gemm.gemm_gguf(x, weight, bias)
+        if out is not None:
+            return out
     if x.dim() == 2 and x.shape[0] >= GGUF_DENSE_MIN_ROWS:
         dense = cpu_linear.dequantize_rows(weight, None)
         if dense is not None:
@@ -191,14 +202,20 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
 def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
                    batch_invariant: bool = False) -> LinearWeight:
     """A loaded layer's weight ([out, in] dense, or GGUF blocks) as `linear` runs it:
-    dense ones prepacked for oneDNN where that is the faster CPU GEMM (never under
-    `batch_invariant`: oneDNN picks its blocking by the row count). Run once loading
-    (and sharding) is done: the packed copy does not track later edits."""
+    dense float32 ones packed for the native GEMM where the build says it is the fastest
+    (cpu_gemm.preferred), else prepacked for oneDNN where that is the faster CPU GEMM
+    (neither under `batch_invariant`: oneDNN picks its blocking by the row count, and the
+    row kernel serves one row in another order than the GEMM's tiles). Run once loading
+    (and sharding) is done: the packed copies do not track later edits."""
     if isinstance(weight, GgufWeight):  # the kernel adds a float32 bias
         return LinearWeight(None, None if bias is None else bias.float(), quantized=weight,
                             batch_invariant=batch_invariant)
     if batch_invariant:
         return LinearWeight(weight, bias, batch_invariant=True)
+    if weight.dtype == torch.float32 and weight.is_cpu and cpu_gemm.preferred():
+        panels = cpu_gemm.pack(weight)
+        if panels is not None:
+            return LinearWeight(weight, bias, panels=panels)
     return LinearWeight(weight, bias, packed=cpu_onednn.prepack(weight))
 
 
@@ -212,6 +229,10 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     out = dense_linear_rows(x, weight.dense, weight.bias)
     if out is not None:
         return out
+    if weight.panels is not None:
+        out = cpu_gemm.gemm(x, weight.panels, weight.dense.shape[0], weight.bias)
+        if out is not None:
+            return out
     if weight.packed is not None:
         return cpu_onednn.linear(x, weight.packed, weight.bias)
     return F.linear(x, weight.dense, weight.bias)

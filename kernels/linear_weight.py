@@ -12,29 +12,32 @@ from kernels.cpu.gguf_weight import GgufWeight
 
 class LinearWeight:
     """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks replace it;
-    packed: oneDNN's blocked copy of dense, where prepacking pays off (CPU);
+    panels: dense packed for the native float32 GEMM (kernels/cpu/gemm.py), on CPUs where
+    it is the fastest; packed: oneDNN's blocked copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);
     batch_invariant: every row runs the one kernel whose sums over `in` go in a fixed order,
     whatever the row count (never packed then)."""
 
     # Slots: dispatch.linear reads these ~120 times a decode step.
-    __slots__ = ("dense", "packed", "quantized", "bias", "batch_invariant")
+    __slots__ = ("dense", "packed", "quantized", "bias", "panels", "batch_invariant")
 
     def __init__(self, dense: torch.Tensor | None, bias: torch.Tensor | None,
                  packed: torch.Tensor | None = None, quantized: GgufWeight | None = None,
-                 batch_invariant: bool = False) -> None:
+                 panels: torch.Tensor | None = None, batch_invariant: bool = False) -> None:
         self.dense, self.bias, self.packed, self.quantized = dense, bias, packed, quantized
-        self.batch_invariant = batch_invariant
+        self.panels, self.batch_invariant = panels, batch_invariant
 
     @property
     def kind(self) -> str:
-        """"gguf", "onednn" (prepacked), "dense" or "invariant" (dense, row kernel for any
-        row count): the family dispatch.linear runs; within the first three the row count
-        still picks (native rows for few, a dense GEMM for long chunks)."""
+        """"gguf", "panels" (the native GEMM), "onednn" (prepacked), "dense" or "invariant"
+        (dense, row kernel for any row count): the family dispatch.linear runs; within the
+        others the row count still picks (native rows for few, a dense GEMM for long chunks)."""
         if self.batch_invariant and self.quantized is None:
             return "invariant"
         if self.quantized is not None:
             return "gguf"
+        if self.panels is not None:
+            return "panels"
         return "dense" if self.packed is None else "onednn"
 
     @property

@@ -13,6 +13,7 @@ bash scripts/setup_vllm.sh
 export TLE_REQUIRE_VLLM=1
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1200 --durations=15)
 CAPPED_TESTS=(tests/kernels/cpu/test_features.py tests/kernels/cpu/test_linear.py
+              tests/kernels/cpu/test_gemm.py tests/kernels/test_linear_dispatch.py
               tests/engine/worker/test_cpu_threads.py
               tests/engine/models/test_loader.py tests/engine/models/test_paged.py
               tests/kernels/cpu/test_native.py tests/engine/sample/test_sampler.py

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from kernels import LinearWeight, dispatch
 from kernels.cpu import features as cpu_features
+from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import onednn as cpu_onednn
 from testing.gguf_weights import gguf_weight
@@ -40,6 +41,8 @@ def calls(monkeypatch) -> list[str]:
     spy(cpu_linear, "linear_bf16_rows", "native bf16 rows")
     spy(cpu_linear, "linear_gguf", "gguf native")
     spy(cpu_linear, "dequantize_rows", "gguf dequantize")
+    spy(cpu_gemm, "gemm", "native gemm")
+    spy(cpu_gemm, "gemm_gguf", "native gguf gemm")
     spy(cpu_onednn, "linear", "onednn")
     spy(F, "linear", "F.linear")
     return ran
@@ -51,10 +54,18 @@ def _dense(dtype=torch.float32, out_features=40, in_features=64):
             torch.randn(out_features, generator=g).to(dtype))
 
 
+def _float32_batch_kind(weight: torch.Tensor) -> str:
+    """What a float32 weight is prepared as on this host: the native GEMM's panels where
+    the build prefers it (AVX2 without AVX-512), else oneDNN's prepacked copy, else as is."""
+    if cpu_gemm.preferred():
+        return "panels"
+    return "onednn" if cpu_onednn.can_prepack(weight) else "dense"
+
+
 def test_prepare_reports_the_kind_this_host_runs():
     weight, bias = _dense()
     prepared = dispatch.prepare_linear(weight, bias)
-    assert prepared.kind == ("onednn" if cpu_onednn.can_prepack(weight) else "dense")
+    assert prepared.kind == _float32_batch_kind(weight)
     assert prepared.dense is weight and prepared.bias is bias
     bf16 = dispatch.prepare_linear(weight.bfloat16(), None)
     assert bf16.kind == ("onednn" if cpu_features.detect().can_prepack_bf16 else "dense")
@@ -66,18 +77,15 @@ def test_prepare_reports_the_kind_this_host_runs():
 
 
 @needs_native
-@pytest.mark.parametrize("rows, expected", [(1, "native rows"),
-                                            (dispatch.DENSE_ROWS_MAX, "native rows"),
-                                            (dispatch.DENSE_ROWS_MAX + 1, "onednn"), (64, "onednn")])
-def test_dense_float32_takes_native_rows_then_onednn(calls, rows, expected):
+@pytest.mark.parametrize("rows", [1, dispatch.DENSE_ROWS_MAX, dispatch.DENSE_ROWS_MAX + 1, 64])
+def test_dense_float32_takes_native_rows_then_the_hosts_batch_gemm(calls, rows):
     weight, bias = _dense()
     prepared = dispatch.prepare_linear(weight, bias)
-    if prepared.kind != "onednn":
-        pytest.skip("no oneDNN prepacking on this CPU")
+    batch = {"panels": "native gemm", "onednn": "onednn", "dense": "F.linear"}[prepared.kind]
     x = torch.randn(rows, 64)
     torch.testing.assert_close(dispatch.linear(x, prepared), x @ weight.T + bias,
                                rtol=1e-5, atol=1e-4)
-    assert calls == [expected]
+    assert calls == ["native rows" if rows <= dispatch.DENSE_ROWS_MAX else batch]
 
 
 @needs_native
@@ -102,18 +110,24 @@ def test_bf16_weights_take_native_bf16_rows_then_onednn_or_f_linear(calls):
 
 
 @needs_native
-@pytest.mark.parametrize("rows, expected", [(1, ["gguf native"]),
-                                            (dispatch.GGUF_DENSE_MIN_ROWS - 1, ["gguf native"]),
-                                            (dispatch.GGUF_DENSE_MIN_ROWS,
-                                             ["gguf dequantize", "F.linear"])])
-def test_gguf_takes_the_int8_kernel_then_the_dense_gemm(calls, rows, expected):
+@pytest.mark.parametrize("rows", [1, dispatch.GGUF_PANEL_MIN_ROWS - 1, dispatch.GGUF_PANEL_MIN_ROWS,
+                                  dispatch.GGUF_DENSE_MIN_ROWS - 1, dispatch.GGUF_DENSE_MIN_ROWS])
+def test_gguf_takes_the_int8_kernel_then_a_dense_gemm(calls, rows):
+    """Few rows: the int8 kernel. Batches: the native GEMM widening W inside (AVX2 builds),
+    else, from GGUF_DENSE_MIN_ROWS, W dequantized whole for F.linear."""
     quantized, _ = gguf_weight("Q4_1", 40, 64)
     dispatch.linear(torch.randn(rows, 64), dispatch.prepare_linear(quantized, None))
-    assert calls == expected
+    if rows >= dispatch.GGUF_PANEL_MIN_ROWS and cpu_gemm.preferred():
+        assert calls == ["native gguf gemm"]
+    elif rows >= dispatch.GGUF_DENSE_MIN_ROWS:
+        assert calls == ["gguf dequantize", "F.linear"]
+    else:
+        assert calls == ["gguf native"]
 
 
 @needs_native
-@pytest.mark.parametrize("rows", [1, 2, 7, dispatch.GGUF_DENSE_MIN_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 7, dispatch.GGUF_PANEL_MIN_ROWS,
+                                  dispatch.GGUF_DENSE_MIN_ROWS])
 def test_without_the_native_library_every_kind_gives_the_same_numbers(monkeypatch, rows):
     weight, bias = _dense(in_features=96)
     quantized, dense = gguf_weight("Q8_0", 40, 96)
@@ -122,6 +136,7 @@ def test_without_the_native_library_every_kind_gives_the_same_numbers(monkeypatc
              "gguf": dispatch.prepare_linear(quantized, bias)}
     native = {name: dispatch.linear(x, w) for name, w in kinds.items()}
     monkeypatch.setattr(cpu_linear, "_library", lambda: None)
+    monkeypatch.setattr(cpu_gemm, "_library", lambda: None)
     fallback = {name: dispatch.linear(x, w) for name, w in kinds.items()}
     for name in ("dense", "prepared"):
         torch.testing.assert_close(fallback[name], native[name], rtol=1e-5, atol=1e-4)

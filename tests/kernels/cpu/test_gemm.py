@@ -1,0 +1,102 @@
+"""The native float32 batch GEMM (kernels/cpu/gemm_f32.c) against float64 math, its rows
+independent of the batch around them, and where dispatch picks it."""
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.cpu import features as cpu_features
+from kernels.cpu import gemm as cpu_gemm
+from testing.gguf_weights import gguf_weight
+
+pytestmark = pytest.mark.skipif(cpu_gemm._library() is None,
+                                reason="no C compiler: the engine keeps oneDNN / torch")
+
+
+def _operands(rows, out_features, in_features, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, in_features, generator=g),
+            torch.randn(out_features, in_features, generator=g),
+            torch.randn(out_features, generator=g))
+
+
+@pytest.mark.parametrize("rows, out_features, in_features",
+                         [(1, 1, 1), (3, 15, 5), (6, 16, 64), (7, 17, 64), (13, 40, 577),
+                          (64, 200, 96)])
+def test_gemm_matches_float64_math(rows, out_features, in_features):
+    x, weight, bias = _operands(rows, out_features, in_features)
+    panels = cpu_gemm.pack(weight)
+    assert panels.shape == (-(-out_features // 16), in_features, 16)
+    expected = x.double() @ weight.double().T + bias.double()
+    for b, ref in ((bias, expected), (None, expected - bias.double())):
+        out = cpu_gemm.gemm(x, panels, out_features, b)
+        assert out.shape == (rows, out_features) and out.dtype == torch.float32
+        # float32 sums over k terms of unit-variance products
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-6 * in_features + 1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
+    """Same row, same bits: alone, at every position of a 6-row tile, across the x chunks
+    (k = 2048: 64-row chunks) and on 1 or 2 threads."""
+    x, weight, bias = _operands(131, 40, 2048, seed=1)
+    panels = cpu_gemm.pack(weight)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        batch = cpu_gemm.gemm(x, panels, 40, bias)
+        torch.set_num_threads(1)
+        single = torch.cat([cpu_gemm.gemm(x[i:i + 1], panels, 40, bias) for i in range(131)])
+        shifted = cpu_gemm.gemm(x[5:], panels, 40, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, single)
+    assert torch.equal(batch[5:], shifted)
+
+
+def test_other_dtypes_and_shapes_are_declined():
+    x, weight, bias = _operands(4, 16, 32)
+    assert cpu_gemm.pack(weight.bfloat16()) is None
+    panels = cpu_gemm.pack(weight)
+    assert cpu_gemm.gemm(x.bfloat16(), panels, 16, None) is None
+    assert cpu_gemm.gemm(x[:, :31], panels, 16, None) is None
+    assert cpu_gemm.gemm(x, panels, 16, bias.double()) is None
+    assert cpu_gemm.gemm(x[None], panels, 16, None) is None
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows, out_features, in_features", [(1, 5, 32), (17, 13, 96),
+                                                             (40, 64, 576)])
+def test_gguf_gemm_matches_float64_math_on_the_dequantized_weights(type_name, rows,
+                                                                   out_features, in_features):
+    weight, dense = gguf_weight(type_name, out_features, in_features)
+    x, _, bias = _operands(rows, out_features, in_features, seed=2)
+    out = cpu_gemm.gemm_gguf(x, weight, bias)
+    expected = x.double() @ dense.double().T + bias.double()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * in_features + 1e-5)
+    # a row's result is the same alone (the x panels pad it with zero rows)
+    assert torch.equal(cpu_gemm.gemm_gguf(x[-1:], weight, bias), out[-1:])
+    assert cpu_gemm.gemm_gguf(x.bfloat16(), weight, bias) is None
+    assert cpu_gemm.gemm_gguf(x[:, 1:], weight, bias) is None
+
+
+def test_the_gemm_is_preferred_exactly_on_avx2_builds_without_avx512():
+    """Measured faster than oneDNN on AVX2 (Zen 2); AVX-512 builds keep oneDNN's 16-wide
+    kernels (and the capped pass on such hosts runs this kernel at avx2)."""
+    flags = cpu_features.detect().flags
+    assert cpu_gemm.preferred() == ({"avx2", "fma"} <= flags and "avx512f" not in flags)
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("objdump") is None,
+                    reason="needs gcc and objdump")
+@pytest.mark.parametrize("march, fma", [(["-march=x86-64"], False), (["-march=x86-64-v3"], True),
+                                        (["-march=x86-64-v4"], True)])
+def test_every_isa_builds_the_gemm(tmp_path, march, fma):
+    source = Path(cpu_gemm.__file__).with_name("gemm_f32.c")
+    obj = tmp_path / "gemm_f32.o"
+    subprocess.run(["gcc", "-O3", "-ffast-math", "-fopenmp", "-c", *march, str(source), "-o",
+                    str(obj)], check=True, capture_output=True)
+    disassembly = subprocess.run(["objdump", "-d", str(obj)], check=True, capture_output=True,
+                                 text=True).stdout
+    assert ("vfmadd231ps" in disassembly or "vfmadd213ps" in disassembly) == fma
