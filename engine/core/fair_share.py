@@ -22,6 +22,20 @@ from engine.config import SchedulerConfig
 from engine.core.request import Request
 
 DEFAULT_TENANT = "default"
+# A tenant names a metric series: bounded, printable.
+MAX_TENANT_LEN = 128
+
+
+def check_tenant(tenant: object) -> str | None:
+    """The tenant a request names, or ValueError saying what is wrong with it."""
+    if tenant is None:
+        return None
+    if not isinstance(tenant, str) or not tenant or len(tenant) > MAX_TENANT_LEN \
+            or not tenant.isprintable():
+        shown = repr(tenant) if len(repr(tenant)) <= 80 else repr(tenant)[:77] + "..."
+        raise ValueError(f"tenant must be a non-empty printable string of at most "
+                         f"{MAX_TENANT_LEN} characters, got {shown}")
+    return tenant
 
 
 def tenant_of(request: Request) -> str:
