@@ -38,6 +38,10 @@ class EngineStats:
     # enable_lora only (SchedulerStats' fields): adapter name -> running / waiting requests.
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # policy="fair" only (SchedulerStats' fields): per tenant, waiting requests and tokens
+    # computed since start.
+    tenant_waiting: dict[str, int] = field(default_factory=dict)
+    tenant_tokens_served: dict[str, int] = field(default_factory=dict)
 
 
 class EngineStepError(RuntimeError):
@@ -229,7 +233,9 @@ class LLMEngine:
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=s.generation_tokens_total,
                            running_lora_adapters=s.running_lora_adapters,
-                           waiting_lora_adapters=s.waiting_lora_adapters)
+                           waiting_lora_adapters=s.waiting_lora_adapters,
+                           tenant_waiting=s.tenant_waiting,
+                           tenant_tokens_served=s.tenant_tokens_served)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -22,8 +22,11 @@ from engine.config import SchedulerConfig
 from engine.core.request import Request
 
 DEFAULT_TENANT = "default"
-# A tenant names a metric series: bounded, printable.
+# A tenant names a metric series: bounded, printable, and past MAX_TENANT_SERIES
+# tenants the rest are counted together under OTHER_TENANTS.
 MAX_TENANT_LEN = 128
+MAX_TENANT_SERIES = 256
+OTHER_TENANTS = "other"
 
 
 def check_tenant(tenant: object) -> str | None:
@@ -49,6 +52,8 @@ class VirtualTokenCounter:
         self.decode_weight = config.fair_decode_weight
         self.counters: dict[str, float] = {}
         self.live: dict[str, int] = {}  # requests waiting or running, per tenant
+        # Tokens computed per tenant since start, for metrics (cumulative, never pruned).
+        self.tokens_served: dict[str, int] = {}
 
     def counter(self, tenant: str) -> float:
         return self.counters.get(tenant, 0.0)
@@ -85,3 +90,7 @@ class VirtualTokenCounter:
         prefill = max(0, min(request.num_prompt_tokens, start + num_tokens) - start)
         cost = prefill * self.prefill_weight + (num_tokens - prefill) * self.decode_weight
         self.counters[tenant] = self.counter(tenant) + cost / self.weights.get(tenant, 1.0)
+        served = self.tokens_served
+        if tenant not in served and len(served) >= MAX_TENANT_SERIES:
+            tenant = OTHER_TENANTS
+        served[tenant] = served.get(tenant, 0) + num_tokens

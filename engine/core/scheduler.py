@@ -306,7 +306,9 @@ class Scheduler:
             num_preemptions_total=self.num_preemptions_total,
             generation_tokens_total=self.generation_tokens_total,
             **(self._lora_counts() if self.max_loras is not None else {}),
-            **({} if self.fair is None else {"tenant_waiting": self.waiting.waiting_by_tenant()}))
+            **({} if self.fair is None else {
+                "tenant_waiting": self.waiting.waiting_by_tenant(),
+                "tenant_tokens_served": dict(self.fair.tokens_served)}))
 
     def _lora_counts(self) -> dict[str, dict[str, int]]:
         running: dict[str, int] = {}

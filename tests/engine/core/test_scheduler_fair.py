@@ -186,3 +186,18 @@ def test_preemption_victim_comes_from_the_tenant_with_the_highest_counter():
 def test_bad_fair_settings_are_refused_naming_the_field(bad, message):
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(**bad)
+
+
+def test_config_strings_become_the_fair_and_admission_settings():
+    from engine.config import EngineConfig
+    config = EngineConfig.from_dict({"policy": "fair", "admission": "no_evict",
+                                     "tenant_weights": '{"gold": 2, "free": "0.5"}',
+                                     "fair_decode_weight": "1.5"}).scheduler
+    assert (config.policy, config.admission, config.fair_decode_weight) == ("fair", "no_evict", 1.5)
+    assert config.tenant_weights == {"gold": 2.0, "free": 0.5}
+    with pytest.raises(ValueError, match="engine argument 'tenant_weights': invalid JSON"):
+        EngineConfig.from_dict({"tenant_weights": "{gold: 2}"})
+    with pytest.raises(ValueError, match=r"tenant_weights'\['gold'\] must be a number"):
+        EngineConfig.from_dict({"tenant_weights": '{"gold": "lots"}'})
+    with pytest.raises(ValueError, match="admission must be one of"):
+        EngineConfig.from_dict({"admission": "eager"})
