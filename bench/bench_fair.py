@@ -26,8 +26,10 @@ from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer
 from client_examples.common import build_grpc_inputs, chunk_from_grpc_result
 from kernels.cpu import features as cpu_features
 
+# A pool of 24 blocks: four running requests of ~100 + 48 tokens (10 blocks each at their
+# worst) do not fit, so max_utilization preempts and no_evict admits fewer.
 ENGINE = {"dtype": "float32", "block_size": "16", "max_num_seqs": "4", "max_model_len": "256",
-          "num_kv_blocks": "40", "max_num_batched_tokens": "256"}
+          "num_kv_blocks": "24", "max_num_batched_tokens": "256"}
 MODELS = {"llm_fcfs": {"policy": "fcfs"}, "llm_fair": {"policy": "fair"},
           "llm_no_evict": {"policy": "fcfs", "admission": "no_evict"}}
 

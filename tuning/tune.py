@@ -7,9 +7,9 @@ at faster ones (arrivals compressed in time) to find the highest load it serves 
 the target: its capacity, in output tokens/s. The search grids max_num_batched_tokens x
 max_num_seqs, then, from the three best, tries each other knob in turn
 (long_prefill_token_threshold, watermark, the KV pool, partial-prefill limits, the
-preemption shield, admission, the policy when requests have priorities or tenants). Prints the best setting
-with its predicted figures beside the recorded setting's, and plots throughput against
-p99 TTFT for every replay (matplotlib PNG).
+preemption shield, admission, the policy when requests have priorities or tenants).
+Prints the best setting with its predicted figures beside the recorded setting's, and
+plots throughput against p99 TTFT for every replay (matplotlib PNG).
 """
 from __future__ import annotations
 

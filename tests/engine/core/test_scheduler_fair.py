@@ -127,7 +127,7 @@ def test_service_gap_of_backlogged_tenants_stays_within_the_vtc_bound():
 def test_tenant_weights_split_service_in_proportion():
     s = make("fair", tenant_weights={"gold": 3.0})
     arrivals = {0: [request(f"{t}{i}", t, 64, 16, 0) for t in ("gold", "free")
-                    for i in range(200)]}
+                    for i in range(120)]}
     served = {}
     shares = []
 
@@ -201,3 +201,14 @@ def test_config_strings_become_the_fair_and_admission_settings():
         EngineConfig.from_dict({"tenant_weights": '{"gold": "lots"}'})
     with pytest.raises(ValueError, match="admission must be one of"):
         EngineConfig.from_dict({"admission": "eager"})
+
+
+def test_served_tokens_are_kept_per_tenant_up_to_the_cap_then_as_other():
+    from engine.core.fair_share import MAX_TENANT_SERIES, OTHER_TENANTS
+    vtc = VirtualTokenCounter(SchedulerConfig(policy="fair"))
+    for i in range(MAX_TENANT_SERIES + 5):
+        r = request(f"r{i}", f"t{i}", 4, 4, i)
+        vtc.join(r)
+        vtc.charge(r, 4)
+    assert len(vtc.tokens_served) == MAX_TENANT_SERIES + 1
+    assert vtc.tokens_served[OTHER_TENANTS] == 5 * 4 and vtc.tokens_served["t0"] == 4
