@@ -199,7 +199,7 @@ class EngineLoop:
             # Triton's arrival: the engine's queue time then counts the inbox too.
             self.engine.add_request(request.request_id, request.prompt, request.params,
                                     priority=request.priority, arrival_time=request.arrival,
-                                    lora_request=request.lora_request)
+                                    lora_request=request.lora_request, tenant=request.tenant)
         except ValueError as exc:
             self._worker.send_error(request.sender, str(exc), triton_io.INVALID_ARG)
             return

@@ -25,6 +25,7 @@ class Inflight:
     arrival: float
     priority: int = 0  # lower is served first under policy=priority
     lora_request: LoRARequest | None = None  # None: the base model
+    tenant: str | None = None  # under policy=fair; None: the tenant "default"
     ttft_recorded: bool = False
     # Tokens generated so far, per sequence (each output's deltas: every output kind
     # carries them, and the engine never sends a token twice).

@@ -34,7 +34,7 @@ class LLMModel(EngineModel):
         lora = None if parsed.lora_name is None else self.lora_request(parsed.lora_name)
         builder = LLMResponseBuilder(parsed, decode_token=self._decode_token)
         return Inflight(request_id, prompt_ids, parsed.params, sender, builder.build, arrival,
-                        parsed.priority, lora_request=lora)
+                        parsed.priority, lora_request=lora, tenant=parsed.tenant)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -13,6 +13,7 @@ from typing import Any
 
 from backend.metric_families import (BY_NAME, CACHE_CONFIG_INFO, COUNTER, FAMILIES, GAUGE,
                                      LORA_REQUESTS_INFO, REQUEST_TOKENS, Family, token_buckets)
+from backend.tenant_metrics import TenantMetrics
 
 # vllm:lora_requests_info keeps a series per label combination seen, as prometheus_client
 # does for vLLM; past this many the oldest are dropped (Triton removes a dropped Metric).
@@ -123,6 +124,7 @@ class TritonMetrics:
         self._max_loras = 0
         self._lora_series: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lora_last: tuple[tuple[str, str], float] | None = None
+        self._tenants = TenantMetrics(self._kinds, self._labels)
 
     def _add(self, family: Family, buckets: list[float] | None = None,
              labels: dict[str, str] | None = None) -> Any:
@@ -209,6 +211,7 @@ class TritonMetrics:
     def _record_stats(self, stats: Any) -> None:
         if self._lora_family is not None:
             self._record_lora_info(stats)
+        self._tenants.record(stats)
         for attr, targets in _STAT_GAUGES.items():
             value = float(getattr(stats, attr))
             if self._last_gauge.get(attr) != value:

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from engine.core.fair_share import check_tenant
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
 from engine.structured_output.grammar import GrammarCompiler
@@ -68,6 +69,8 @@ class LLMRequest:
     add_special_tokens: bool = True
     # vllm_backend's per-request adapter (a multi_lora.json name); None: the base model.
     lora_name: str | None = None
+    # Under policy=fair, whose share it counts against; None: the tenant "default".
+    tenant: str | None = None
 
 
 def stream_output_kind(stream: bool) -> RequestOutputKind:
@@ -93,6 +96,13 @@ def parse_priority(value: Any) -> int:
     if not PRIORITY_RANGE[0] <= priority <= PRIORITY_RANGE[1]:
         raise InvalidRequest(f"priority must be a 32-bit integer, got {priority}")
     return priority
+
+
+def parse_tenant(value: Any) -> str | None:
+    try:
+        return check_tenant(value)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
 
 
 def parse_lora_name(value: Any) -> str | None:
@@ -232,8 +242,9 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
         priority = parse_priority(value)
     add_special = to_bool(_ADD_SPECIAL_TOKENS, sampling.get(_ADD_SPECIAL_TOKENS, True))
     lora_name = parse_lora_name(sampling.get("lora_name"))
+    tenant = parse_tenant(sampling.get("tenant"))
     params = parse_sampling_parameters(
-        sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS, "lora_name"))
+        sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS, "lora_name", "tenant"))
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)
@@ -246,4 +257,5 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:
         # Logprobs of the sampled token cost nothing extra; asking for them is implied.
         params.logprobs = 0
-    return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special, lora_name)
+    return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special, lora_name,
+                      tenant)

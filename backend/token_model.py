@@ -17,4 +17,4 @@ class TokenIdModel(EngineModel):
         lora = None if parsed.lora_name is None else self.lora_request(parsed.lora_name)
         builder = TokenResponseBuilder(parsed)
         return Inflight(request_id, parsed.prompt_token_ids, parsed.params, sender, builder.build,
-                        arrival, parsed.priority, lora_request=lora)
+                        arrival, parsed.priority, lora_request=lora, tenant=parsed.tenant)

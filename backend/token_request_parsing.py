@@ -11,8 +11,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend.request_parsing import (InvalidRequest, decode_text, parse_lora_name, parse_priority,
-                                     scalar, stream_output_kind,
-                                     to_bool)
+                                     parse_tenant, scalar, stream_output_kind, to_bool)
 from engine.sampling_params import SamplingParams
 
 
@@ -25,6 +24,7 @@ class TokenRequest:
     end_id: int | None
     priority: int = 0
     lora_name: str | None = None  # a multi_lora.json name; None: the base model
+    tenant: str | None = None  # under policy=fair; None: the tenant "default"
 
 
 def words_from_trtllm_list(name: str, array: np.ndarray | None) -> list[list[int]]:
@@ -114,5 +114,8 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
     priority = parse_priority(v) if (v := _opt(inputs, "priority")) is not None else 0
     lora = _opt(inputs, "lora_name")
     lora_name = None if lora is None else parse_lora_name(decode_text("lora_name", lora) or None)
+    tenant = _opt(inputs, "tenant")
+    # An ensemble client that fills every input sends "" for none.
+    tenant = None if tenant is None else parse_tenant(decode_text("tenant", tenant) or None)
     return TokenRequest(prompt, params, stream, exclude, None if end_id is None else int(end_id),
-                        priority, lora_name)
+                        priority, lora_name, tenant)

@@ -29,10 +29,11 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
-                 ) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 tenants: Sequence[str | None] | None = None) -> list[RequestOutput]:
         """`lora_request`: one adapter for every prompt, or a list with one per prompt
-        (None: the base model), as vLLM's."""
+        (None: the base model), as vLLM's. `tenants`: one per prompt, whose share each
+        counts against under policy="fair" (None: the tenant "default")."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -48,6 +49,9 @@ class LLM:
             loras = list(lora_request)
             if len(loras) != len(prompts):
                 raise ValueError(f"got {len(loras)} lora_request entries for {len(prompts)} prompts")
+        tenants = [None] * len(prompts) if tenants is None else list(tenants)
+        if len(tenants) != len(prompts):
+            raise ValueError(f"got {len(tenants)} tenants for {len(prompts)} prompts")
         engine = self.llm_engine
         # Only final outputs are kept here, so none is built before (as vLLM's LLM); the
         # caller's objects stay as they are.
@@ -58,10 +62,11 @@ class LLM:
                     p, output_kind=RequestOutputKind.FINAL_ONLY)
         ids = []
         try:
-            for prompt, p, lora in zip(prompts, params, loras):
+            for prompt, p, lora, tenant in zip(prompts, params, loras, tenants):
                 rid = str(self._next_id)
                 self._next_id += 1
-                engine.add_request(rid, prompt, final_only[id(p)], lora_request=lora)
+                engine.add_request(rid, prompt, final_only[id(p)], lora_request=lora,
+                                  tenant=tenant)
                 ids.append(rid)
         except Exception:
             engine.abort_request(ids)

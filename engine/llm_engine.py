@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.config import EngineConfig
+from engine.core.fair_share import check_tenant
 from engine.core.kv_cache.publisher import NullEventPublisher
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -37,6 +38,10 @@ class EngineStats:
     # enable_lora only (SchedulerStats' fields): adapter name -> running / waiting requests.
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # policy="fair" only (SchedulerStats' fields): per tenant, waiting requests and tokens
+    # computed since start.
+    tenant_waiting: dict[str, int] = field(default_factory=dict)
+    tenant_tokens_served: dict[str, int] = field(default_factory=dict)
 
 
 class EngineStepError(RuntimeError):
@@ -81,8 +86,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: str | list[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
-                    lora_request: LoRARequest | None = None) -> None:
+                    lora_request: LoRARequest | None = None, tenant: str | None = None) -> None:
         params = params or SamplingParams()
+        check_tenant(tenant)
         sequences = fan_out(request_id, params)
         prompt_text = prompt if isinstance(prompt, str) else None
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -120,7 +126,7 @@ class LLMEngine:
                               arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
                               cache_salt=cache_salt, detokenizer=IncrementalDetokenizer(
                                   self.tokenizer, token_ids, seq_params),
-                              lora_request=lora_request)
+                              lora_request=lora_request, tenant=tenant)
             if compiled_grammar is not None:
                 request.grammar = RequestGrammar.start(compiled_grammar)
             if params.max_tokens is None:
@@ -227,7 +233,9 @@ class LLMEngine:
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=s.generation_tokens_total,
                            running_lora_adapters=s.running_lora_adapters,
-                           waiting_lora_adapters=s.waiting_lora_adapters)
+                           waiting_lora_adapters=s.waiting_lora_adapters,
+                           tenant_waiting=s.tenant_waiting,
+                           tenant_tokens_served=s.tenant_tokens_served)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

@@ -112,9 +112,21 @@ def to_int_list(name: str, value: Any) -> list[int]:
     return [to_int(name, item) for item in to_list(name, value)]
 
 
+def to_float_dict(name: str, value: Any) -> dict[str, float]:
+    """A {name: number} mapping, or a string holding one as JSON (config.pbtxt)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            raise ValueError(f"{name}: invalid JSON object {_shown(value)}") from None
+    if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+        raise ValueError(f"{name} must be an object of names to numbers, got {_shown(value)}")
+    return {key: to_float(f"{name}[{key!r}]", item) for key, item in value.items()}
+
+
 _BY_KIND: dict[str, Callable[[str, Any], Any]] = {
     "bool": to_bool, "int": to_int, "float": to_float, "str": to_str,
-    "list[str]": to_str_list, "list[int]": to_int_list,
+    "list[str]": to_str_list, "list[int]": to_int_list, "dict[str, float]": to_float_dict,
 }
 
 

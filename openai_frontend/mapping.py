@@ -111,6 +111,8 @@ def _sampling(req: CommonFields) -> dict[str, Any]:
     sampling = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    if req.user:  # "" from a client that fills every field: no tenant
+        sampling["tenant"] = req.user
     structured = _structured_outputs(req)
     if structured is not None:
         sampling["structured_outputs"] = structured

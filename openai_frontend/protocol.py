@@ -65,8 +65,9 @@ class CommonFields(_Lenient):
     frequency_penalty: float | None = None
     response_format: ResponseFormat | None = None
     logit_bias: dict[str, float] | None = None
-    # Accepted, no effect here: OpenAI's end-user id, storage and billing options.
+    # OpenAI's end-user id: the request's tenant under policy="fair" (mapping.py).
     user: str | None = None
+    # Accepted, no effect here: storage and billing options.
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None

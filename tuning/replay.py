@@ -189,7 +189,8 @@ def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = No
             limit = record["max_tokens"] if cancelled else max(1, record["output_len"])
             request = Request(record["id"], prompts[arrivals[next_arrival]], SamplingParams(
                 max_tokens=min(limit, sched_cfg.max_model_len - record["prompt_len"]),
-                ignore_eos=True), priority=record["priority"], arrival_time=record["arrival"])
+                ignore_eos=True), priority=record["priority"], arrival_time=record["arrival"],
+                tenant=record.get("tenant"))
             if record["prompt_len"] < sched_cfg.max_model_len:
                 scheduler.add_request(request)
                 requests[record["id"]] = request

@@ -9,9 +9,9 @@ at faster ones (arrivals compressed in time) to find the highest load it serves 
 the target: its capacity, in output tokens/s. The search grids max_num_batched_tokens x
 max_num_seqs, then, from the three best, tries each other knob in turn
 (long_prefill_token_threshold, watermark, the KV pool, partial-prefill limits, the
-preemption shield, the policy when requests have priorities). Prints the best setting
-with its predicted figures beside the recorded setting's, and plots throughput against
-p99 TTFT for every replay (matplotlib PNG).
+preemption shield, admission, the policy when requests have priorities or tenants).
+Prints the best setting with its predicted figures beside the recorded setting's, and
+plots throughput against p99 TTFT for every replay (matplotlib PNG).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ REFINEMENTS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("pool_scale", (0.5, 1.0, 2.0)),
     ("partial_prefills", ((0, 0), (2, 1), (4, 1), (4, 2))),
     ("shield_resumed", (False, True)),
+    ("admission", ("max_utilization", "no_evict")),
 )
 # Arrival-rate multipliers tried for each setting, lowest first.
 RATE_SCALES = (1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0)
@@ -96,6 +97,16 @@ def evaluate(trace: Trace, model: StepModel, settings: dict[str, Any], slo: Slo)
                       best[0] if best else 0.0, first, points, violation)
 
 
+def knobs(trace: Trace) -> tuple[tuple[str, tuple[Any, ...]], ...]:
+    """REFINEMENTS, plus the policy where the trace gives it something to act on: priority
+    when requests have several priorities, fair when they come from several tenants."""
+    policies = (("fcfs", "priority") if len({r["priority"] for r in trace.requests}) > 1
+                else ()) + (("fcfs", "fair") if len({r.get("tenant") for r in trace.requests}) > 1
+                            else ())
+    policies = tuple(dict.fromkeys(policies))
+    return REFINEMENTS + ((("policy", policies),) if policies else ())
+
+
 def search(trace: Trace, model: StepModel, slo: Slo, log=print) -> list[Evaluation]:
     recorded = trace.engine_args
     evaluations = []
@@ -113,8 +124,7 @@ def search(trace: Trace, model: StepModel, slo: Slo, log=print) -> list[Evaluati
     for tokens in BATCHED_TOKENS:
         for seqs in NUM_SEQS:
             run({"max_num_batched_tokens": tokens, "max_num_seqs": seqs})
-    policies = ("fcfs", "priority") if len({r["priority"] for r in trace.requests}) > 1 else ()
-    refinements = REFINEMENTS + ((("policy", policies),) if policies else ())
+    refinements = knobs(trace)
     starts = sorted(evaluations, key=lambda e: (e.capacity, -e.violation), reverse=True)[:3]
     for start in starts:
         best = start

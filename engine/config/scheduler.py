@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from engine.config.checks import check_positive
 
-POLICIES = ("fcfs", "priority")
+POLICIES = ("fcfs", "priority", "fair")
+ADMISSIONS = ("max_utilization", "no_evict")
 
 
 @dataclass(slots=True)
@@ -26,6 +27,15 @@ class SchedulerConfig:
     # evicted at every chunk of its recompute, at some cost in recomputed tokens.
     shield_resumed: bool = False
     policy: str = "fcfs"
+    # policy="fair" (engine/core/fair_share.py): a tenant's share is proportional to its
+    # weight (default 1.0); its virtual counter grows by these weights per prompt token
+    # computed and per decode step, divided by its share. 1 and 2: the VTC paper's choice.
+    tenant_weights: dict[str, float] | None = None
+    fair_prefill_weight: float = 1.0
+    fair_decode_weight: float = 2.0
+    # "no_evict" (TensorRT-LLM's GUARANTEED_NO_EVICT): admit only what fits beside the worst
+    # case of everything running, so nothing is ever preempted (engine/core/admission.py).
+    admission: str = "max_utilization"
     # vLLM's name: a streamed request (RequestOutputKind DELTA / CUMULATIVE) gets its first
     # output at once, then one per this many released tokens, and the final one; the held
     # deltas are merged (engine/output/output_processor.py). More means fewer responses.
@@ -52,3 +62,16 @@ class SchedulerConfig:
         check_positive("stream_interval", self.stream_interval)
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if self.admission not in ADMISSIONS:
+            raise ValueError(f"admission must be one of {ADMISSIONS}, got {self.admission!r}")
+        for name in ("fair_prefill_weight", "fair_decode_weight"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+        if self.fair_prefill_weight == 0 == self.fair_decode_weight:
+            raise ValueError("fair_prefill_weight and fair_decode_weight cannot both be 0")
+        for tenant, weight in (self.tenant_weights or {}).items():
+            if (not isinstance(weight, (int, float)) or isinstance(weight, bool)
+                    or not 0 < weight < float("inf")):
+                raise ValueError(f"tenant_weights[{tenant!r}] must be a finite number > 0, "
+                                 f"got {weight!r}")

@@ -42,14 +42,14 @@ class Request:
                  "cache_salt", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_cached_tokens", "status", "num_preemptions", "stop_reason",
                  "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens",
-                 "grammar", "resumed_at_step", "lora_request")
+                 "grammar", "resumed_at_step", "lora_request", "tenant")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
                  arrival_time: float | None = None,
                  eos_token_id: int | Iterable[int] | None = None,
                  cache_salt: str | None = None, detokenizer: Any = None,
-                 lora_request: "LoRARequest | None" = None) -> None:
+                 lora_request: "LoRARequest | None" = None, tenant: str | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: prompt must contain at least one token")
         self.request_id = request_id
@@ -77,6 +77,8 @@ class Request:
         self.cache_salt = cache_salt
         # None: the base model. Part of every block's hash (an adapter's KV is its own).
         self.lora_request = lora_request
+        # Whose share it counts against under policy="fair"; None: the tenant "default".
+        self.tenant = tenant
         self.all_token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)
         self.num_computed_tokens = 0

@@ -37,3 +37,7 @@ class SchedulerStats:
     # / waiting; as vLLM 0.32 fills them, each holds every adapter that has any request.
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    # policy="fair" only: requests waiting per tenant (tenants with none waiting left out),
+    # and tokens computed per tenant since start (engine/core/fair_share.py caps the names).
+    tenant_tokens_served: dict[str, int] = field(default_factory=dict)
+    tenant_waiting: dict[str, int] = field(default_factory=dict)

@@ -5,8 +5,12 @@ from __future__ import annotations
 import time
 
 from engine.config import CacheConfig, LoRAConfig, SchedulerConfig
+from engine.core import admission
+from engine.core.fair_queue import FairQueue
+from engine.core.fair_share import VirtualTokenCounter
 from engine.core.kv_cache import BlockHasher, KVCacheManager
 from engine.core.partial_prefills import LOOKAHEAD, PartialPrefills
+from engine.core.preemption import pick_victim
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
 from engine.core.sched_output import SchedulerOutput, SchedulerStats
@@ -30,7 +34,11 @@ class Scheduler:
         # None: no limit (LoRA off); else the distinct adapters RUNNING may hold.
         self.max_loras = lora_config.max_loras if lora_config and lora_config.enable_lora else None
         self.requests: dict[str, Request] = {}
-        self.waiting = make_request_queue(scheduler_config.policy)
+        # policy="fair" only: the tenants' virtual token counters.
+        self.fair = VirtualTokenCounter(scheduler_config) if scheduler_config.policy == "fair" \
+            else None
+        self.waiting = (make_request_queue(scheduler_config.policy) if self.fair is None
+                        else FairQueue(self.fair))
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
@@ -52,6 +60,8 @@ class Scheduler:
         self.check_new_request(request.request_id, request.num_prompt_tokens)
         self.requests[request.request_id] = request
         self.waiting.add(request)
+        if self.fair is not None:
+            self.fair.join(request)
 
     def finish_requests(self, request_ids, status: RequestStatus = RequestStatus.FINISHED_ABORTED
                         ) -> list[Request]:
@@ -74,6 +84,8 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        if self.fair is not None:
+            self.fair.leave(request)
         self.finished_req_ids.add(request.request_id)
 
     def get_num_unfinished_requests(self) -> int:
@@ -114,11 +126,11 @@ class Scheduler:
             while True:
                 if kv.allocate_slots(request, num_new) is not None:
                     break
-                victim = self._pick_victim()
+                victim = pick_victim(running, cfg, self.num_steps, self.fair)
                 victim_index = running.index(victim)
                 running.pop(victim_index)
                 if victim.request_id in num_scheduled:
-                    # Already granted this step (priority policy): take the grant back.
+                    # Granted this step already (priority, fair): take the grant back.
                     token_budget += num_scheduled.pop(victim.request_id)
                     scheduled_running.remove(victim)
                 if victim_index < i:
@@ -136,6 +148,9 @@ class Scheduler:
             token_budget -= num_new
             i += 1
 
+        if self.fair is not None:
+            for request in scheduled_running:
+                self.fair.charge(request, num_scheduled[request.request_id])
         admitted: list[Request] = []
         # Admitting while preempting would only thrash: whoever was just evicted is
         # at the head of WAITING and cannot fit anyway.
@@ -178,6 +193,8 @@ class Scheduler:
         loras = None if self.max_loras is None else {
             r.lora_request.lora_int_id for r in running if r.lora_request is not None}
         skipped: list[Request] = []
+        no_evict = cfg.admission == "no_evict"
+        reserved = admission.reserved_blocks(running, kv, cfg.max_model_len) if no_evict else 0
         while waiting and token_budget > 0 and len(running) < cfg.max_num_seqs:
             if candidates is None:
                 request = waiting.peek()
@@ -201,6 +218,9 @@ class Scheduler:
             if 0 < threshold < num_new:
                 num_new = threshold
             num_new = min(num_new, token_budget)
+            if no_evict and not admission.fits(request, hit_blocks, kv, cfg.max_model_len,
+                                               reserved, self.watermark_blocks):
+                break
             if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks) is None:
                 break
             waiting.remove(request)
@@ -216,6 +236,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
             running.append(request)
+            if no_evict:
+                reserved += admission.still_needed(request, kv, cfg.max_model_len)
+            if self.fair is not None:
+                self.fair.charge(request, num_new)
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
             if loras is not None and lora is not None:
@@ -223,36 +247,6 @@ class Scheduler:
         for request in reversed(skipped):
             waiting.prepend(request)
         return token_budget
-
-    def _pick_victim(self) -> Request:
-        """Whom to preempt: the policy's last request (fcfs: the latest admitted;
-        priority: the lowest priority, then the latest arrival), which has the least
-        work to lose.
-
-        With `shield_resumed`, a request readmitted after k preemptions is passed over
-        for k steps (the step after its readmission, then longer each time it is
-        preempted again) while a request other than the policy's first is unshielded.
-        Without the shield, a request readmitted with room for only its first chunk
-        evicts itself at its next chunk, every time, until memory frees up (vllm#25538);
-        with it, it gets k chunks to finish its recompute, at the cost of evicting
-        requests with more work done (random workloads that preempt recompute ~16% more
-        tokens on average; tests/engine/core/test_scheduler.py has the scenario). The policy's first
-        request is never the victim while another runs, so a workload always ends."""
-        running = self.running
-        if self.config.policy == "priority":
-            victim = max(running, key=lambda r: (r.priority, r.arrival_time))
-        else:
-            victim = running[-1]
-        if not self.config.shield_resumed or len(running) == 1:
-            return victim
-        if self.config.policy == "priority":
-            order = sorted(running, key=lambda r: (r.priority, r.arrival_time))
-        else:
-            order = running
-        step = self.num_steps
-        others = order[1:]
-        unshielded = [r for r in others if step - r.resumed_at_step > r.num_preemptions]
-        return (unshielded or others)[-1]
 
     def _preempt(self, request: Request) -> None:
         # Progress is only committed at the end of schedule(), so num_computed_tokens
@@ -311,7 +305,10 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions_total=self.num_preemptions_total,
             generation_tokens_total=self.generation_tokens_total,
-            **(self._lora_counts() if self.max_loras is not None else {}))
+            **(self._lora_counts() if self.max_loras is not None else {}),
+            **({} if self.fair is None else {
+                "tenant_waiting": self.waiting.waiting_by_tenant(),
+                "tenant_tokens_served": dict(self.fair.tokens_served)}))
 
     def _lora_counts(self) -> dict[str, dict[str, int]]:
         running: dict[str, int] = {}

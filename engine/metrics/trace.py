@@ -8,7 +8,7 @@ Records, one JSON object a line, times in seconds since the trace began:
   {"type": "request", "id", "arrival", "prompt_len", "block_hashes", "max_tokens",
    "min_tokens", "priority", "output_len", "first_token", "finish", "finish_reason",
    "cancel" (time of the abort, or null), "num_cached_tokens", "num_preemptions",
-   "lora_name" (its LoRA adapter, or null for the base model)}
+   "lora_name" (its LoRA adapter, or null for the base model), "tenant" (or null)}
   {"type": "step", "start", "wall", "prefill_tokens", "decode_tokens", "num_prefills",
    "batch_size", "context_tokens", "preemptions"}
 A request is written when it ends. The file is size-capped: past max_bytes it is moved to
@@ -134,7 +134,8 @@ class TraceRecorder:
             "cancel": round(now, 6) if cancelled else None,
             "num_cached_tokens": max(request.num_cached_tokens, 0),
             "num_preemptions": request.num_preemptions,
-            "lora_name": None if request.lora_request is None else request.lora_request.lora_name})
+            "lora_name": None if request.lora_request is None else request.lora_request.lora_name,
+            "tenant": request.tenant})
 
     def close(self) -> None:
         if self._file is not None and not self._file.closed:

@@ -90,7 +90,7 @@ class ScriptedEngine:
         self.fail_stats = False
 
     def add_request(self, request_id, prompt, params, priority=0, arrival_time=None,
-                    lora_request=None) -> None:
+                    lora_request=None, tenant=None) -> None:
         if not prompt:
             raise ValueError("prompt is empty")
         self.waiting.append(request_id)

@@ -199,3 +199,12 @@ def test_an_image_is_refused_as_text_only_and_an_empty_one_is_none():
     # vllm_backend sends no multi_modal_data for an empty tensor; nor is it an error here.
     empty = {**tensors(), "image": np.array([], dtype=np.object_)}
     assert parse_llm_request(empty).prompt == "hi"
+
+
+def test_tenant_comes_from_sampling_or_request_parameters_and_is_checked():
+    assert parse_llm_request(tensors(sampling={"tenant": "acme"})).tenant == "acme"
+    assert parse_llm_request(tensors(), json.dumps({"tenant": "b", "max_tokens": 2})).tenant == "b"
+    assert parse_llm_request(tensors()).tenant is None
+    for bad in (5, "", "x" * 129, "tab\there"):
+        with pytest.raises(InvalidRequest, match="tenant must be a non-empty printable string"):
+            parse_llm_request(tensors(sampling={"tenant": bad}))

@@ -226,3 +226,11 @@ def test_stream_interval_applies_to_the_token_model(tmp_path, tokenizer):
     assert sum(chunks, []) == final and len(final) == 14
     assert all(len(chunk) >= 3 for chunk in chunks[1:-1]) and len(chunks) <= 1 + -(-13 // 3)
     assert len(chunks) > 2  # really a stream, not one response
+
+
+def test_tenant_input_of_the_token_model():
+    assert parse_token_request(token_inputs(tenant=b"acme")).tenant == "acme"
+    assert parse_token_request(token_inputs(tenant=b"")).tenant is None  # ensemble's "unset"
+    assert parse_token_request(token_inputs()).tenant is None
+    with pytest.raises(InvalidRequest, match="tenant must be"):
+        parse_token_request(token_inputs(tenant=b"x" * 200))

@@ -85,7 +85,7 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
         REPO_ROOT / "model_repository", work / "models",
         models=["llm", "tensorrt_llm", "preprocessing", "postprocessing", "ensemble"],
         renames={"llm_faulty": "llm", "llm_default": "llm", "llm_priority": "llm",
-                 "llm_replicas": "llm"},
+                 "llm_replicas": "llm", "llm_fair": "llm"},
         instances={"llm_replicas": (2, "KIND_CPU")},
         params={"llm": {**tiny, **kv_events}, "tensorrt_llm": tiny,
                 "llm_replicas": {**tiny, **replica_events},
@@ -94,6 +94,8 @@ def server(request, tmp_path_factory, tiny_model_dir) -> Server:
                 "llm_default": {"model": "", **DEFAULT_MODEL_ARGS},
                 "llm_priority": {**tiny, "policy": "priority", "max_num_seqs": "2",
                                  "num_kv_blocks": "33"},
+                "llm_fair": {**tiny, "policy": "fair", "admission": "no_evict",
+                             "tenant_weights": '{"gold": 2}'},
                 "preprocessing": {"tokenizer": str(tiny_model_dir)},
                 "postprocessing": {"tokenizer": str(tiny_model_dir)}})
     log = work / "tritonserver.log"

@@ -72,6 +72,33 @@ def test_preemption_chunking_and_prefix_hits_do_not_change_greedy_output(tiny):
     assert limited_llm.llm_engine.get_stats().num_preemptions_total > 0
 
 
+def test_fair_policy_and_no_evict_admission_do_not_change_greedy_output(tiny):
+    if "qwen2" in tiny:
+        pytest.skip("scheduling is the same for every architecture; llama's run suffices")
+    system = "You are a helpful assistant. Answer briefly and precisely. " * 3
+    prompts = [system + p for p in PROMPTS] + PROMPTS
+    tenants = ["light" if i % 4 == 0 else "heavy" for i in range(len(prompts))]
+    pair = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, n=2)
+
+    def outputs(llm):
+        return [[c.token_ids for c in o.outputs]
+                for o in llm.generate(prompts, pair, use_tqdm=False, tenants=tenants)]
+    plain = outputs(LLM(tiny, dtype="float32", num_kv_blocks=512, enable_prefix_caching=False))
+    stressed = dict(block_size=4, num_kv_blocks=40, max_model_len=150, max_num_batched_tokens=24,
+                    long_prefill_token_threshold=7, max_num_seqs=8)
+    fair = LLM(tiny, dtype="float32", policy="fair", tenant_weights={"light": 2.0},
+               max_num_partial_prefills=2, **stressed)
+    assert outputs(fair) == plain
+    assert fair.llm_engine.get_stats().num_preemptions_total > 0
+    safe = LLM(tiny, dtype="float32", policy="fair", admission="no_evict", **stressed)
+    assert outputs(safe) == plain
+    assert safe.llm_engine.get_stats().num_preemptions_total == 0
+    with pytest.raises(ValueError, match="got 1 tenants for 12 prompts"):
+        fair.generate(prompts, pair, tenants=["x"])
+    with pytest.raises(ValueError, match="tenant must be a non-empty printable string"):
+        fair.generate(prompts[:1], pair, tenants=[""])
+
+
 def test_seeded_sampling_is_reproducible_alone_and_in_a_batch(tiny):
     llm = LLM(tiny, dtype="float32", num_kv_blocks=256)
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=42, max_tokens=16, ignore_eos=True)

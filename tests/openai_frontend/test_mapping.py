@@ -103,7 +103,7 @@ def test_unknown_fields_are_ignored_with_a_warning_and_bad_values_refused(caplog
         CompletionRequest(model="m", prompt="x", temperature="hot")
     refused(lambda: completion(logit_bias={"1": 5.0}), "logit_bias")
     # Fields with no effect on a self-hosted model are accepted, and not forwarded.
-    assert completion(user="u", store=False, metadata={"k": "v"}).sampling == {}
+    assert completion(user="u", store=False, metadata={"k": "v"}).sampling == {"tenant": "u"}
 
 
 @pytest.mark.parametrize("message,status,param", [
@@ -235,3 +235,10 @@ def test_chat_messages_refused(tokenizer):
     class NoTemplate:
         chat_template = None
     refused(lambda: render_chat(NoTemplate(), USER), "messages")
+
+
+def test_openai_user_is_the_tenant():
+    assert completion(user="alice").sampling["tenant"] == "alice"
+    assert chat(user="bob").sampling["tenant"] == "bob"
+    assert "tenant" not in completion(user="").sampling
+    assert "tenant" not in chat().sampling

@@ -183,6 +183,22 @@ def test_tuner_finds_a_setting_that_meets_the_target(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_replay_and_tuner_take_admission_and_the_fair_policy():
+    from tuning.tune import knobs
+    tight = synthetic_trace(num_kv_blocks=20, spacing=0.0005)
+    eager = replay(tight, CONSTANT)
+    safe = replay(tight, CONSTANT, {"admission": "no_evict"})
+    assert eager.preemptions > 0 and safe.preemptions == 0 and safe.requests == 6
+    assert safe.queue["p90"] > eager.queue["p90"]  # it waits for room instead
+    for i, record in enumerate(tight.requests):
+        record["tenant"] = "heavy" if i else "light"
+    fair = replay(tight, CONSTANT, {"policy": "fair"})
+    assert fair.requests == 6
+    assert dict(knobs(tight))["policy"] == ("fcfs", "fair")
+    assert dict(knobs(tight))["admission"] == ("max_utilization", "no_evict")
+    assert "policy" not in dict(knobs(synthetic_trace()))  # one tenant, one priority
+
+
 def test_the_tuning_package_needs_no_torch():
     import subprocess
     import sys

@@ -15,7 +15,7 @@ EOS = 0
 
 
 @st.composite
-def workloads(draw, allow_aborts=True):
+def workloads(draw, allow_aborts=True, admission=None):
     block_size = draw(st.sampled_from([1, 2, 4, 8, 16]))
     max_model_len = draw(st.integers(16, 96))
     watermark = draw(st.sampled_from([0.0, 0.0, 0.05, 0.2]))
@@ -35,7 +35,9 @@ def workloads(draw, allow_aborts=True):
         max_num_partial_prefills=partial,
         max_long_partial_prefills=draw(st.integers(0, partial)),
         shield_resumed=draw(st.booleans()),
-        policy=draw(st.sampled_from(["fcfs", "priority"])))
+        policy=draw(st.sampled_from(["fcfs", "priority", "fair"])),
+        tenant_weights=draw(st.sampled_from([None, {"a": 3.0}])),
+        admission=admission or draw(st.sampled_from(["max_utilization", "no_evict"])))
     cache = CacheConfig(num_kv_blocks=num_blocks, block_size=block_size,
                         enable_prefix_caching=draw(st.booleans()),
                         watermark=watermark)
@@ -51,6 +53,7 @@ def workloads(draw, allow_aborts=True):
                                 min_tokens=draw(st.integers(0, 1)))
         requests.append(dict(prompt=prompt, params=params, priority=draw(st.integers(0, 3)),
                              arrive_at_step=draw(st.integers(0, 30)),
+                             tenant=draw(st.sampled_from([None, "a", "b"])),
                              abort_at_step=(draw(st.one_of(st.none(), st.integers(0, 60)))
                                             if allow_aborts else None)))
     return sched, cache, requests
@@ -70,7 +73,8 @@ def drive(sched, cache, specs, check=True, max_steps=20_000, enable_kv_events=Fa
             i = pending.pop(0)
             spec = specs[i]
             s.add_request(Request(f"r{i}", spec["prompt"], spec["params"], priority=spec["priority"],
-                                  arrival_time=float(i), eos_token_id=EOS))
+                                  arrival_time=float(i), eos_token_id=EOS,
+                                  tenant=spec.get("tenant")))
             if spec["abort_at_step"] is not None:
                 aborts.setdefault(step + spec["abort_at_step"], []).append(f"r{i}")
         for r in s.finish_requests(aborts.pop(step, [])):
@@ -107,13 +111,23 @@ def test_random_workloads_keep_invariants_and_finish(workload):
 def test_outputs_do_not_depend_on_pool_size_chunking_or_caching(workload):
     sched, cache, specs = workload
     _, small = drive(sched, cache, specs)
+    # fcfs and max_utilization: the other policies and admission must not change outputs.
     roomy_sched = SchedulerConfig(max_num_batched_tokens=4096, max_num_seqs=64,
-                                  max_model_len=sched.max_model_len, policy=sched.policy)
+                                  max_model_len=sched.max_model_len)
     roomy_cache = CacheConfig(num_kv_blocks=4096, block_size=cache.block_size,
                               enable_prefix_caching=False)
     _, big = drive(roomy_sched, roomy_cache, specs)
     assert {k: r.output_token_ids for k, r in small.items()} == {
         k: r.output_token_ids for k, r in big.items()}
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads(admission="no_evict"))
+def test_no_evict_never_preempts_and_always_finishes(workload):
+    sched, cache, specs = workload
+    # drive() fails on a lost request or a run that stops making progress (a deadlock).
+    s, _ = drive(sched, cache, specs)
+    assert s.num_preemptions_total == 0
 
 
 def test_long_run_ten_thousand_requests_through_a_small_pool():
