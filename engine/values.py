@@ -112,9 +112,17 @@ def to_int_list(name: str, value: Any) -> list[int]:
     return [to_int(name, item) for item in to_list(name, value)]
 
 
+def to_int_lists(name: str, value: Any) -> list[list[int]]:
+    """A list of id lists (stop_token_sequences), or its JSON text."""
+    items = to_list(name, value)
+    if not all(isinstance(item, list) for item in items):
+        raise ValueError(f"{name} must be a list of integer lists, got {_shown(value)}")
+    return [to_int_list(name, item) for item in items]
+
+
 _BY_KIND: dict[str, Callable[[str, Any], Any]] = {
     "bool": to_bool, "int": to_int, "float": to_float, "str": to_str,
-    "list[str]": to_str_list, "list[int]": to_int_list,
+    "list[str]": to_str_list, "list[int]": to_int_list, "list[list[int]]": to_int_lists,
 }
 
 

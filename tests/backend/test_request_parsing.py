@@ -199,3 +199,14 @@ def test_an_image_is_refused_as_text_only_and_an_empty_one_is_none():
     # vllm_backend sends no multi_modal_data for an empty tensor; nor is it an error here.
     empty = {**tensors(), "image": np.array([], dtype=np.object_)}
     assert parse_llm_request(empty).prompt == "hi"
+
+
+def test_stop_token_sequences_from_json_are_converted_or_refused_naming_the_field():
+    # Found by tests/backend/test_request_parsing_fuzz.py: the field had no converter,
+    # so any value raised TypeError instead of INVALID_ARG.
+    assert parse_sampling_parameters({"stop_token_sequences": [[1, 2], [3]]}).stop_token_sequences \
+        == [[1, 2], [3]]
+    assert parse_sampling_parameters({"stop_token_sequences": "[[4]]"}).stop_token_sequences == [[4]]
+    for bad in (0, [1, 2], [["x"]], "[[1]", [[]]):
+        with pytest.raises(InvalidRequest, match="stop_token_sequences"):
+            parse_sampling_parameters({"stop_token_sequences": bad})
