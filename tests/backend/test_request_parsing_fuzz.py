@@ -140,14 +140,16 @@ word_lists = st.tuples(st.lists(st.integers(-3, 9), min_size=1, max_size=6),
 token_inputs = merged(
     optional("input_ids", st.tuples(st.lists(int32, max_size=6), st.sampled_from([1, 2])).map(
         lambda t: np.array(t[0] * t[1], dtype=np.int32).reshape(t[1], len(t[0])))),
-    optional("input_lengths", typed_tensor(np.int32, st.one_of(st.integers(-2, 8), int32), batched)),
+    optional("input_lengths", typed_tensor(np.int32, st.one_of(st.integers(-2, 8), int32),
+                                           batched)),
     optional("request_output_len", typed_tensor(np.int32, st.one_of(st.integers(-2, 40), int32),
                                                 batched)),
     optional("min_length", typed_tensor(np.int32, st.one_of(st.integers(-2, 40), int32), batched)),
     optional("beam_width", typed_tensor(np.int32, st.integers(-1, 3), batched)),
     optional("end_id", typed_tensor(np.int32, st.one_of(st.integers(-2, 5), int32), batched)),
     optional("pad_id", typed_tensor(np.int32, int32, batched)),
-    optional("runtime_top_k", typed_tensor(np.int32, st.one_of(st.integers(-2, 50), int32), batched)),
+    optional("runtime_top_k", typed_tensor(np.int32, st.one_of(st.integers(-2, 50), int32),
+                                           batched)),
     *(optional(name, typed_tensor(np.float32, st.floats(width=32), batched))
       for name in ("temperature", "runtime_top_p")),
     *(optional(name, typed_tensor(np.uint64, st.integers(0, 2**64 - 1), batched))
