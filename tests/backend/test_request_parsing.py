@@ -206,7 +206,8 @@ def test_stop_token_sequences_from_json_are_converted_or_refused_naming_the_fiel
     # so any value raised TypeError instead of INVALID_ARG.
     assert parse_sampling_parameters({"stop_token_sequences": [[1, 2], [3]]}).stop_token_sequences \
         == [[1, 2], [3]]
-    assert parse_sampling_parameters({"stop_token_sequences": "[[4]]"}).stop_token_sequences == [[4]]
+    text = parse_sampling_parameters({"stop_token_sequences": "[[4]]"})
+    assert text.stop_token_sequences == [[4]]
     for bad in (0, [1, 2], [["x"]], "[[1]", [[]]):
         with pytest.raises(InvalidRequest, match="stop_token_sequences"):
             parse_sampling_parameters({"stop_token_sequences": bad})
