@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 
 from tests.e2e.test_openai_frontend import SERVED, start_frontend, stop_frontend
 
-schemathesis = pytest.importorskip("schemathesis",
-                                   reason="schemathesis is not installed (pip install -e '.[test]')")
+schemathesis = pytest.importorskip(
+    "schemathesis", reason="schemathesis is not installed (pip install -e '.[test]')")
 
 pytestmark = pytest.mark.slow
 
