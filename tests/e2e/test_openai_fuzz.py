@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 API_KEY = "fuzz-api-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # Per operation (9 of them); a case takes ~0.05-0.5 s.
-MAX_EXAMPLES = 25
+MAX_EXAMPLES = 15
 TIME_CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "top_logprobs": 2,
              "logprobs": 2}
 
