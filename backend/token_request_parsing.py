@@ -60,7 +60,7 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
     ids = np.asarray(ids)
     if ids.ndim == 2:
         if ids.shape[0] != 1:
-            raise InvalidRequest(f"batch size must be 1 per request, got {ids.shape[0]}")
+            raise InvalidRequest(f"input_ids: batch size must be 1 per request, got {ids.shape[0]}")
         ids = ids[0]
     prompt = [int(t) for t in ids.reshape(-1).tolist()]
     length = _opt(inputs, "input_lengths")

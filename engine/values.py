@@ -124,9 +124,18 @@ def to_float_dict(name: str, value: Any) -> dict[str, float]:
     return {key: to_float(f"{name}[{key!r}]", item) for key, item in value.items()}
 
 
+def to_int_lists(name: str, value: Any) -> list[list[int]]:
+    """A list of id lists (stop_token_sequences), or its JSON text."""
+    items = to_list(name, value)
+    if not all(isinstance(item, list) for item in items):
+        raise ValueError(f"{name} must be a list of integer lists, got {_shown(value)}")
+    return [to_int_list(name, item) for item in items]
+
+
 _BY_KIND: dict[str, Callable[[str, Any], Any]] = {
     "bool": to_bool, "int": to_int, "float": to_float, "str": to_str,
-    "list[str]": to_str_list, "list[int]": to_int_list, "dict[str, float]": to_float_dict,
+    "list[str]": to_str_list, "list[int]": to_int_list, "list[list[int]]": to_int_lists,
+    "dict[str, float]": to_float_dict,
 }
 
 

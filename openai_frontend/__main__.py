@@ -31,6 +31,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--api-key", nargs="+", default=None,
                         help="require `Authorization: Bearer <key>` on /v1 (one of these keys; "
                              "default: $VLLM_API_KEY, else no check)")
+    parser.add_argument("--triton-admin-key", default=None, metavar="KEY",
+                        help="sent as Triton's `admin-key` header on the model-config call "
+                             "when Triton runs with serve.py --restrict-api "
+                             "(default: $TRITON_ADMIN_KEY)")
     parser.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=None,
                         help="how the model writes tool calls (vLLM's parser names)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -58,11 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def frontend_options(args: argparse.Namespace,
                      environ: Mapping[str, str] = os.environ) -> FrontendOptions:
+    from backend.restricted_api import read_key
     from openai_frontend.auth import api_keys
     from openai_frontend.tool_calls import ToolCallConfig
 
     return FrontendOptions(
         api_keys=api_keys(args.api_key, dict(environ)),
+        triton_admin_key=read_key(args.triton_admin_key, None, environ, "--triton-admin-key"),
         tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
         triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len,
         lora_modules=tuple(getattr(args, "lora_modules", None) or ()))
@@ -76,9 +82,13 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        options = frontend_options(args)
+    except ValueError as exc:  # a bad key from the environment: say which, not a traceback
+        raise SystemExit(f"openai_frontend: {exc}") from None
     tokenizer = load_tokenizer(args.tokenizer)
     app = create_app(args.triton_grpc, args.model, args.served_model_name or args.model, tokenizer,
-                     frontend_options(args))
+                     options)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
 
 

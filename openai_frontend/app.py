@@ -40,7 +40,7 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
 
         # The asyncio gRPC channel and the HTTP session belong to the event loop they
         # are made in: uvicorn's.
-        app.state.llm = TritonLLM(triton_url, model)
+        app.state.llm = TritonLLM(triton_url, model, options.triton_admin_key)
         app.state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         try:
             yield

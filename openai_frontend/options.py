@@ -12,6 +12,8 @@ from openai_frontend.tool_calls import ToolCallConfig
 class FrontendOptions:
     # --api-key / VLLM_API_KEY; empty: no authentication.
     api_keys: tuple[str, ...] = ()
+    # Triton's admin-key header (backend/restricted_api.py) for its model-config API.
+    triton_admin_key: str | None = None
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
     # Triton's metrics endpoint, re-exported at /metrics; None: no /metrics route.
     triton_metrics_url: str | None = None

@@ -13,6 +13,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import tritonclient.grpc.aio as grpcaio
 
+from backend.restricted_api import grpc_headers
 from openai_frontend.errors import APIError, from_triton
 
 
@@ -65,9 +66,10 @@ def parse_response(outputs: dict[str, np.ndarray], final: bool) -> Chunk:
 
 
 class TritonLLM:
-    def __init__(self, url: str, model: str) -> None:
+    def __init__(self, url: str, model: str, admin_key: str | None = None) -> None:
         self.url = url
         self.model = model
+        self._grpc_headers = grpc_headers(admin_key)
         self._client = grpcaio.InferenceServerClient(url)
 
     async def close(self) -> None:
@@ -83,6 +85,7 @@ class TritonLLM:
         """A parameter of the model's config (config.pbtxt `parameters`), None if unset."""
         try:
             reply = await self._client.get_model_config(self.model, as_json=True,
+                                                        headers=self._grpc_headers,
                                                         client_timeout=timeout)
         except Exception as exc:  # noqa: BLE001 - tritonclient raises its own exception type
             raise from_triton(exc) from None

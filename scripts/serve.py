@@ -4,6 +4,7 @@
                      [--host 127.0.0.1] [--model PATH] [--param KEY=VALUE ...]
                      [--lora-modules NAME=PATH ...]
                      [--load-model llm ...] [--exit-timeout-secs 20]
+                     [--restrict-api KEY | --restrict-api-file PATH]
 
 Ports and host may also come from TRITON_HTTP_PORT / TRITON_GRPC_PORT /
 TRITON_METRICS_PORT / TRITON_HOST. --model and --param override the engine models'
@@ -12,6 +13,10 @@ TRITON_METRICS_PORT / TRITON_HOST. --model and --param override the engine model
 model: preprocessing and postprocessing take their tokenizer from tensorrt_llm's config
 (backend/tokenizer_source.py). The server folder it prepares (.triton/server) holds the
 `tle` backend that `llm` runs on (backend/triton_server.py install_backend).
+
+--restrict-api KEY (or --restrict-api-file PATH, or $TRITON_ADMIN_KEY) puts Triton's
+model-repository, model-config, shared-memory, trace and logging APIs behind the header
+`admin-key: KEY` on HTTP and gRPC (backend/restricted_api.py); inference stays open.
 
 SIGTERM or SIGINT (Ctrl-C) stops tritonserver gracefully: it refuses new requests, lets
 in-flight ones finish, unloads the models, and serve exits with status 0 as soon as it
@@ -34,6 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.repository_layout import copy_repository  # noqa: E402
+from backend.restricted_api import read_key, tritonserver_flags  # noqa: E402
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer, prepare_server_dir  # noqa: E402
 
 ENGINE_MODELS = ("llm", "tensorrt_llm")
@@ -73,7 +79,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exit-timeout-secs", type=int, default=20, metavar="S",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before "
                         "tritonserver is killed (default: 20, within Kubernetes' 30 s grace period)")
-    return p.parse_args(argv)
+    p.add_argument("--restrict-api", metavar="KEY", default=None,
+                   help="Triton's admin APIs (model repository, config, shared memory, trace, "
+                        "logging) need the header `admin-key: KEY` (default: $TRITON_ADMIN_KEY)")
+    p.add_argument("--restrict-api-file", metavar="PATH", type=Path, default=None,
+                   help="--restrict-api's key read from this file (e.g. a mounted Secret)")
+    args = p.parse_args(argv)
+    try:
+        args.admin_key = read_key(args.restrict_api, args.restrict_api_file)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
 
 
 def repository_for(args: argparse.Namespace, target: Path = OVERRIDES_DIR) -> Path:
@@ -226,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = [f"--exit-timeout-secs={args.exit_timeout_secs + TRITON_EXTRA_EXIT_S}"]
     if args.load_model:
         extra += ["--model-control-mode=explicit", *[f"--load-model={m}" for m in args.load_model]]
+    if args.admin_key:
+        extra += tritonserver_flags(args.admin_key)
     server = TritonServer(repository, ServerPorts(args.http_port, args.grpc_port, args.metrics_port),
                           host=args.host, extra_args=extra)
     try:
@@ -240,7 +258,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nTriton ready in {time.monotonic() - started:.1f} s (since serve started)\n"
                   f"  HTTP     http://{server.http_url}   (POST /v2/models/llm/generate, /generate_stream)\n"
                   f"  gRPC     {server.grpc_url}\n"
-                  f"  metrics  {server.metrics_url}\n", flush=True)
+                  f"  metrics  {server.metrics_url}\n"
+                  + ("  admin APIs need the header admin-key (--restrict-api)\n"
+                     if args.admin_key else ""), flush=True)
         return exit_status(wait_exit(server, signals, args.exit_timeout_secs), signals)
     finally:
         if signals.killed:

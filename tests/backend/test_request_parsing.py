@@ -208,3 +208,15 @@ def test_tenant_comes_from_sampling_or_request_parameters_and_is_checked():
     for bad in (5, "", "x" * 129, "tab\there"):
         with pytest.raises(InvalidRequest, match="tenant must be a non-empty printable string"):
             parse_llm_request(tensors(sampling={"tenant": bad}))
+
+
+def test_stop_token_sequences_from_json_are_converted_or_refused_naming_the_field():
+    # Found by tests/backend/test_request_parsing_fuzz.py: the field had no converter,
+    # so any value raised TypeError instead of INVALID_ARG.
+    assert parse_sampling_parameters({"stop_token_sequences": [[1, 2], [3]]}).stop_token_sequences \
+        == [[1, 2], [3]]
+    text = parse_sampling_parameters({"stop_token_sequences": "[[4]]"})
+    assert text.stop_token_sequences == [[4]]
+    for bad in (0, [1, 2], [["x"]], "[[1]", [[]]):
+        with pytest.raises(InvalidRequest, match="stop_token_sequences"):
+            parse_sampling_parameters({"stop_token_sequences": bad})

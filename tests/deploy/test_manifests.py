@@ -485,6 +485,43 @@ def test_openai_frontend_module_takes_the_sidecar_flags():
         assert option in out.stdout, f"openai_frontend --help does not mention {option}"
 
 
+# --- both keys from one Secret (README: Security) ---
+
+KEYS_SECRET = "triton-llm-engine-keys"
+
+
+def secret_env(cont: dict) -> dict[str, dict]:
+    """name -> secretKeyRef of the container's env entries taken from a Secret."""
+    return {e["name"]: e["valueFrom"]["secretKeyRef"] for e in cont.get("env", [])
+            if "secretKeyRef" in e.get("valueFrom", {})}
+
+
+def test_tritons_admin_apis_are_keyed_from_the_secret():
+    from backend.restricted_api import ENV_VAR, tritonserver_flags
+
+    # Not optional: without the Secret the pod waits instead of serving the APIs open.
+    assert secret_env(TRITON) == {ENV_VAR: {"name": KEYS_SECRET, "key": "admin-key"}}
+    literal = {e["name"]: e["value"] for e in TRITON["env"] if "value" in e}
+    # Kubernetes' $(VAR) expansion of args, the Secret's value left as its reference.
+    args = [re.sub(r"\$\((\w+)\)", lambda m: literal.get(m[1], m[0]), a) for a in TRITON["args"]]
+    restricted = [a for a in args if a.startswith(("--http-restricted", "--grpc-restricted"))]
+    assert restricted == tritonserver_flags(f"$({ENV_VAR})")
+
+
+def test_openai_sidecar_takes_its_api_key_and_tritons_admin_key_from_the_secret():
+    from backend.restricted_api import ENV_VAR as ADMIN_ENV
+    from openai_frontend.__main__ import frontend_options, parse_args
+    from openai_frontend.auth import ENV_VAR as API_KEY_ENV
+
+    assert secret_env(FRONTEND) == {API_KEY_ENV: {"name": KEYS_SECRET, "key": "api-key"},
+                                    ADMIN_ENV: {"name": KEYS_SECRET, "key": "admin-key"}}
+    # The sidecar's own command line reads them from those variables.
+    environ = {API_KEY_ENV: "client-key", ADMIN_ENV: "admin-key-0123456789"}
+    options = frontend_options(parse_args(FRONTEND["command"][3:]), environ)
+    assert options.api_keys == ("client-key",)
+    assert options.triton_admin_key == "admin-key-0123456789"
+
+
 # --- metrics the picker reads ---
 
 def test_picker_reads_metrics_the_engine_exports():

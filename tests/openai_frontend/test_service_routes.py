@@ -98,6 +98,10 @@ def test_v1_needs_one_of_the_keys(service):
 
 def test_routes_outside_v1_stay_open_as_in_vllm(service):
     assert requests.get(f"{service}/version", timeout=10).json() == {"version": "0.1.0"}
+    assert requests.get(f"{service}/openapi.json", timeout=10).status_code == 200
+    # vLLM takes the scheme in any case, as RFC 7235 has it.
+    headers = {"Authorization": f"bearer {KEYS[0]}"}
+    assert requests.get(f"{service}/v1/models", headers=headers, timeout=10).status_code == 200
     assert requests.get(f"{service}/health", timeout=10).status_code == 503  # Triton is down
     assert requests.post(f"{service}/detokenize", json={"tokens": [1]}, timeout=10).status_code == 200
 

@@ -55,3 +55,41 @@ def test_lora_modules_turn_on_enable_lora_with_absolute_folders(tmp_path, monkey
         params = read_config_parameters(repo / name / "config.pbtxt")
         assert params["enable_lora"] == "true"
         assert params["lora_modules"] == f"sql={tmp_path / 'loras/sql'} chat=/abs/chat"
+
+
+KEY = "0123456789abcdef0123"
+
+
+def test_restrict_api_key_from_the_flag_a_file_or_the_env_var(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRITON_ADMIN_KEY", raising=False)
+    assert serve.parse_args([]).admin_key is None
+    assert serve.parse_args(["--restrict-api", KEY]).admin_key == KEY
+    key_file = tmp_path / "key"
+    key_file.write_text(f"{KEY}\n")  # as `echo KEY > file` and a mounted Secret leave it
+    assert serve.parse_args(["--restrict-api-file", str(key_file)]).admin_key == KEY
+    monkeypatch.setenv("TRITON_ADMIN_KEY", KEY[::-1])
+    assert serve.parse_args([]).admin_key == KEY[::-1]
+    assert serve.parse_args(["--restrict-api", KEY]).admin_key == KEY
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--restrict-api", "short"], "at least 16 characters"),
+    (["--restrict-api", KEY + ":x=y"], "only letters, digits"),
+    (["--restrict-api", KEY + " x"], "only letters, digits"),
+    (["--restrict-api-file", "/nonexistent/key"], "cannot read it"),
+    (["--restrict-api", KEY, "--restrict-api-file", "/k"], "not both"),
+])
+def test_a_bad_restrict_api_key_is_a_usage_error_naming_the_flag(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        serve.parse_args(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "--restrict-api" in err
+
+
+def test_restrict_api_flags_use_tritonservers_syntax():
+    from backend.restricted_api import tritonserver_flags
+
+    apis = "model-repository,model-config,shared-memory,trace,logging"
+    assert tritonserver_flags(KEY) == [f"--http-restricted-api={apis}:admin-key={KEY}",
+                                       f"--grpc-restricted-protocol={apis}:admin-key={KEY}"]
