@@ -37,6 +37,7 @@ class EngineStats:
     # enable_lora only (SchedulerStats' fields): adapter name -> running / waiting requests.
     running_lora_adapters: dict[str, int] = field(default_factory=dict)
     waiting_lora_adapters: dict[str, int] = field(default_factory=dict)
+    kv_events_dropped_total: int = 0  # KV-event batches the publisher's full queue refused
 
 
 class EngineStepError(RuntimeError):
@@ -227,7 +228,8 @@ class LLMEngine:
                            prompt_tokens_total=self.prompt_tokens_total,
                            generation_tokens_total=s.generation_tokens_total,
                            running_lora_adapters=s.running_lora_adapters,
-                           waiting_lora_adapters=s.waiting_lora_adapters)
+                           waiting_lora_adapters=s.waiting_lora_adapters,
+                           kv_events_dropped_total=self.kv_events.dropped)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

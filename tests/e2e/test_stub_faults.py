@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -163,6 +164,10 @@ def test_full_trace_deaf_subscriber_and_a_killed_stub(served):
     assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs
     deaf.close(linger=0)
     reader.close(linger=0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{served.ports.metrics}/metrics") as page:
+        dropped = re.findall(r'^vllm:kv_events_dropped_total\{[^}]*model="llm"[^}]*\} (\S+)$',
+                             page.read().decode(), re.MULTILINE)
+    assert dropped == ["0"], dropped  # the deaf one cost the engine's queue nothing
 
     first_server = served.tritonserver_pid()
     killed_at, outcomes, readiness = asyncio.run(kill_stub_under_load(served, first_server))
