@@ -105,8 +105,8 @@ async def _alone(url: str, sample: list[tuple[GoodRequest, str]], result: TimedR
     try:
         for index, (good, served) in enumerate(sample):
             request_id = f"alone-{index}"
-            outcome = (await client.run(StreamJob([encode_request(MAIN, request_id, good.tensors())]),
-                                        timeout=300)).outcomes[request_id]
+            job = StreamJob([encode_request(MAIN, request_id, good.tensors())])
+            outcome = (await client.run(job, timeout=300)).outcomes[request_id]
             result.sampled += 1
             if outcome.error is not None:
                 result.errors.append(f"{request_id} (alone): {outcome.error}")

@@ -80,7 +80,7 @@ class Serve:
     def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> float:
         started = time.monotonic()
         while not self.model_ready():
-            assert self.process.poll() is None, f"serve exited {self.process.returncode}\n{self.tail()}"
+            assert self.process.poll() is None, f"serve exited\n{self.tail()}"
             assert time.monotonic() - started < timeout, f"not ready\n{self.tail()}"
             time.sleep(0.25)
         return time.monotonic() - started
