@@ -27,18 +27,20 @@ def stub_pids(pgid: int) -> list[int]:
     return pids
 
 
-def rss_bytes(pid: int) -> int:
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     return 0
 
 
-def stubs_rss_bytes(pgid: int) -> int:
+def stubs_rss_bytes(pgid: int, field: str = "VmRSS") -> int:
+    """VmRSS, or RssAnon: what the process allocated, without the file-backed pages (the
+    mmap'd weights) that a loaded host's page cache takes back and gives again."""
     total = 0
     for pid in stub_pids(pgid):
         try:
-            total += rss_bytes(pid)
+            total += rss_bytes(pid, field)
         except OSError:
             continue  # gone between the listing and the read
     return total
@@ -50,13 +52,16 @@ class RssSampler:
     def __init__(self, pgid: int, every_s: float) -> None:
         self.pgid = pgid
         self.every_s = every_s
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[tuple[float, int]] = []  # (seconds, VmRSS bytes)
+        self.anon: list[tuple[float, int]] = []  # (seconds, RssAnon bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="rss-sampler", daemon=True)
         self._started = 0.0
 
     def _sample(self) -> None:
-        self.samples.append((time.monotonic() - self._started, stubs_rss_bytes(self.pgid)))
+        now = time.monotonic() - self._started
+        self.samples.append((now, stubs_rss_bytes(self.pgid)))
+        self.anon.append((now, stubs_rss_bytes(self.pgid, "RssAnon")))
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):

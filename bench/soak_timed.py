@@ -52,6 +52,7 @@ class TimedResult:
     leaked_blocks: float = 0.0
     ready_after: bool = False
     rss: list[tuple[float, int]] = field(default_factory=list)  # (seconds, bytes)
+    anon: list[tuple[float, int]] = field(default_factory=list)  # RssAnon
     sampled: int = 0
     mismatches: list[str] = field(default_factory=list)
 
@@ -134,7 +135,7 @@ def run_timed(config: TimedConfig) -> TimedResult:
         with sampler:
             asyncio.run(_run_load(server.grpc_url, load, config.minutes * 60))
         result.seconds = time.monotonic() - started
-        result.rss = sampler.samples
+        result.rss, result.anon = sampler.samples, sampler.anon
         gauges, _ = server.wait_until(MAIN, lambda g: g.idle, 60)
         result.leaked_blocks = gauges.kv_usage * int(args["num_kv_blocks"])
         if not gauges.idle:
@@ -152,11 +153,15 @@ def format_timed(result: TimedResult) -> str:
              f"{result.seconds / 60:.1f} min, {c.streams} streams: {result.served} served, "
              f"{result.cancelled} cancelled by the client, {len(result.errors)} errors, "
              f"leaked KV blocks {result.leaked_blocks:g}, ready after: {result.ready_after}"]
-    if result.rss:
-        first, last = result.rss[0][1] / MIB, result.rss[-1][1] / MIB
-        slope = slope_mib_per_10min(result.rss, result.warmup_s)
-        lines.append(f"stub RSS: {len(result.rss)} samples, {first:.1f} -> {last:.1f} MiB; slope "
+    for label, samples in (("RSS", result.rss), ("RssAnon", result.anon)):
+        if not samples:
+            continue
+        first, last = samples[0][1] / MIB, samples[-1][1] / MIB
+        slope = slope_mib_per_10min(samples, result.warmup_s)
+        lines.append(f"stub {label}: {len(samples)} samples, {first:.1f} -> {last:.1f} MiB; slope "
                      f"after {result.warmup_s / 60:.1f} min warm-up: {slope:+.3f} MiB / 10 min")
+        lines.append(f"  {label} MiB every {c.rss_every_s:g} s: "
+                     + " ".join(f"{b / MIB:.0f}" for _, b in samples))
     rate = len(result.mismatches) / result.sampled if result.sampled else float("nan")
     lines.append(f"alone-run sample: {result.sampled} requests, {len(result.mismatches)} "
                  f"differ (mismatch rate {rate:.3f})")
