@@ -41,11 +41,13 @@ class EngineStats:
 
 
 class EngineStepError(RuntimeError):
-    """A step failed; the requests it was computing were aborted (listed here)."""
+    """A step failed; the requests it was computing were aborted (listed here). `fatal`:
+    no later step can succeed either (a tensor-parallel worker is gone)."""
 
-    def __init__(self, message: str, failed_request_ids: list[str]) -> None:
+    def __init__(self, message: str, failed_request_ids: list[str], fatal: bool = False) -> None:
         super().__init__(message)
         self.failed_request_ids = failed_request_ids
+        self.fatal = fatal
 
 
 class LLMEngine:
@@ -210,7 +212,8 @@ class LLMEngine:
         self._abort_failed(failed)
         # Blocks registered at allocation may never have been written.
         self.scheduler.kv_cache_manager.reset_prefix_cache()
-        return EngineStepError(f"model execution failed: {exc}", client_ids)
+        fatal = self._tensor_parallel is not None and self._tensor_parallel.failure is not None
+        return EngineStepError(f"model execution failed: {exc}", client_ids, fatal=fatal)
 
     def _abort_failed(self, request_ids: list[str]) -> None:
         failed = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
