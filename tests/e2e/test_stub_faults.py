@@ -178,9 +178,11 @@ def test_full_trace_deaf_subscriber_and_a_killed_stub(served):
           f"{max(o.error_at for o in outcomes) - killed_at:.1f} s after the kill: "
           f"{outcomes[0].error}")
     assert not readiness[-1], readiness  # tritonserver is down: serve is starting it again
-    text = served.text()
-    assert "serve: backend stub died: llm_0_0 (model llm" in text, served.tail()
-    assert "--health-check: starting tritonserver again" in text
+    assert "serve: backend stub died: llm_0_0 (model llm" in served.text(), served.tail()
+    deadline = time.monotonic() + 30  # serve reaps the old server's group first
+    while "--health-check: starting tritonserver again" not in served.text():
+        assert time.monotonic() < deadline, served.tail()
+        time.sleep(0.2)
 
     print(f"ready again in {served.wait_ready():.1f} s")
     assert served.tritonserver_pid() != first_server
