@@ -251,6 +251,8 @@ class EngineLoop:
             triton_io.log_error(f"engine step failed; failing {len(failed)} in-flight "
                                 f"request(s): {traceback.format_exc()}")
             self._fail(failed, f"engine step failed: {exc}", triton_io.INTERNAL)
+            if getattr(exc, "fatal", False):
+                raise  # no step can succeed again: the loop dies (and the health check unloads)
             return
         now = time.monotonic()
         # A stand-in engine may not count its steps' tokens.

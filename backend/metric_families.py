@@ -94,6 +94,10 @@ FAMILIES = (
     Family("vllm:admission_rejections_total", COUNTER,
            "Number of admission attempts rejected by a queue limit, by reason.",
            "reason", ADMISSION_REASONS),
+    # Ours (vLLM drops a full queue's batch with a log line only): routers' KV indexes
+    # go stale by this many steps' events until they replay.
+    Family("vllm:kv_events_dropped_total", COUNTER,
+           "Number of KV-cache event batches dropped because the publisher's queue was full."),
     Family("vllm:request_prompt_tokens", HISTOGRAM, "Number of prefill tokens processed.",
            buckets=REQUEST_TOKENS),
     Family("vllm:request_generation_tokens", HISTOGRAM, "Number of generation tokens processed.",

@@ -31,6 +31,7 @@ _STAT_COUNTERS = {
     "num_preemptions_total": (("vllm:num_preemptions_total", None),),
     "prompt_tokens_total": (("vllm:prompt_tokens_total", None),),
     "generation_tokens_total": (("vllm:generation_tokens_total", None),),
+    "kv_events_dropped_total": (("vllm:kv_events_dropped_total", None),),
 }
 _STAT_GAUGES = {
     "num_running": (("vllm:num_requests_running", None),),

@@ -135,12 +135,17 @@ class SoakClient:
                 raise  # the caller's task was cancelled, not the stream
         except grpc.aio.AioRpcError as exc:
             if not call.cancelled():  # the server ended the stream: its requests failed
+                now = time.perf_counter()
                 for request_id in pending:
-                    job.outcomes[request_id].error = f"stream ended: {exc.code()} {exc.details()}"
+                    outcome = job.outcomes[request_id]
+                    outcome.error = f"stream ended: {exc.code()} {exc.details()}"
+                    outcome.error_at = now
         except asyncio.TimeoutError:
             call.cancel()
+            now = time.perf_counter()
             for request_id in pending:
                 job.outcomes[request_id].error = f"no final response in {timeout:.0f} s"
+                job.outcomes[request_id].error_at = now
         finally:
             cancel_task.cancel()
             answered.set()

@@ -42,14 +42,17 @@ class EngineStats:
     # computed since start.
     tenant_waiting: dict[str, int] = field(default_factory=dict)
     tenant_tokens_served: dict[str, int] = field(default_factory=dict)
+    kv_events_dropped_total: int = 0  # KV-event batches the publisher's full queue refused
 
 
 class EngineStepError(RuntimeError):
-    """A step failed; the requests it was computing were aborted (listed here)."""
+    """A step failed; the requests it was computing were aborted (listed here). `fatal`:
+    no later step can succeed either (a tensor-parallel worker is gone)."""
 
-    def __init__(self, message: str, failed_request_ids: list[str]) -> None:
+    def __init__(self, message: str, failed_request_ids: list[str], fatal: bool = False) -> None:
         super().__init__(message)
         self.failed_request_ids = failed_request_ids
+        self.fatal = fatal
 
 
 class LLMEngine:
@@ -215,7 +218,8 @@ class LLMEngine:
         self._abort_failed(failed)
         # Blocks registered at allocation may never have been written.
         self.scheduler.kv_cache_manager.reset_prefix_cache()
-        return EngineStepError(f"model execution failed: {exc}", client_ids)
+        fatal = self._tensor_parallel is not None and self._tensor_parallel.failure is not None
+        return EngineStepError(f"model execution failed: {exc}", client_ids, fatal=fatal)
 
     def _abort_failed(self, request_ids: list[str]) -> None:
         failed = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -235,7 +239,8 @@ class LLMEngine:
                            running_lora_adapters=s.running_lora_adapters,
                            waiting_lora_adapters=s.waiting_lora_adapters,
                            tenant_waiting=s.tenant_waiting,
-                           tenant_tokens_served=s.tenant_tokens_served)
+                           tenant_tokens_served=s.tenant_tokens_served,
+                           kv_events_dropped_total=self.kv_events.dropped)
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

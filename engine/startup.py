@@ -127,5 +127,11 @@ def open_trace(config: EngineConfig, loaded) -> TraceRecorder | NullTrace:
               "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
               "dtype": str(loaded.dtype).removeprefix("torch."),
               "host": cpu_features.detect().describe(), "engine_args": args}
+    try:
+        recorder = TraceRecorder(config.trace_path, config.trace_max_bytes, header)
+    except OSError as exc:
+        logger.error("workload trace %s: %s; tracing switched off, requests are unaffected",
+                     config.trace_path, exc)
+        return NullTrace()
     logger.info("recording a workload trace to %s", config.trace_path)
-    return TraceRecorder(config.trace_path, config.trace_max_bytes, header)
+    return recorder

@@ -23,6 +23,12 @@ in-flight ones finish, unloads the models, and serve exits with status 0 as soon
 has stopped (requests still running after --exit-timeout-secs are cut: tritonserver is
 killed). A second SIGTERM/SIGINT kills it at once. tritonserver and its python backend
 stubs never outlive serve, even when serve is SIGKILLed.
+
+A python backend stub that dies while its model is loaded (SIGKILL, OOM) leaves its
+requests hanging inside tritonserver (backend/stub_watch.py): serve notices within a
+second, logs it and kills tritonserver, which ends those streams with an error. With
+--health-check it then starts tritonserver again (the models load anew and serve);
+without, it exits with status 1 for a supervisor to restart.
 """
 from __future__ import annotations
 
@@ -39,7 +45,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.repository_layout import copy_repository  # noqa: E402
-from backend.restricted_api import read_key, tritonserver_flags  # noqa: E402
+from backend.restricted_api import http_headers, read_key, tritonserver_flags  # noqa: E402
+from backend.stub_watch import StubDied, StubWatch  # noqa: E402
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer, prepare_server_dir  # noqa: E402
 
 ENGINE_MODELS = ("llm", "tensorrt_llm")
@@ -76,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--load-model", action="append", default=[], metavar="NAME",
                    help="load only these models (default: all)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--health-check", action="store_true",
+                   help="start tritonserver again when a backend stub dies (default: exit 1)")
     p.add_argument("--exit-timeout-secs", type=int, default=20, metavar="S",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before "
                         "tritonserver is killed (default: 20, within Kubernetes' 30 s grace period)")
@@ -192,16 +201,29 @@ def wait_ready(server: TritonServer, signals: StopSignals, timeout: float) -> bo
     return False
 
 
-def wait_exit(server: TritonServer, signals: StopSignals, exit_timeout: float) -> int:
+def wait_exit(server: TritonServer, signals: StopSignals, exit_timeout: float,
+              watch: StubWatch | None = None) -> int:
     """tritonserver's status as soon as it exits: it is reaped at once, never left a
     zombie. A requested stop still running `exit_timeout` s after the signal (requests
-    in flight) ends with SIGKILL to tritonserver and its stubs."""
+    in flight) ends with SIGKILL to tritonserver and its stubs. A stub that `watch` sees
+    die kills tritonserver too (its requests would hang forever) and raises StubDied."""
     cut = False
+    next_look = time.monotonic() + 1.0
     while True:
         try:
             return server.process.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
+        if watch is not None and not signals.stopping and time.monotonic() >= next_look:
+            next_look = time.monotonic() + 1.0
+            died = watch.died()
+            if died and not signals.stopping:
+                error = StubDied(died)
+                print(f"serve: backend stub died: {error}; its requests cannot finish inside "
+                      "tritonserver: killing tritonserver to end them", file=sys.stderr, flush=True)
+                server.kill()
+                server.process.wait()
+                raise error
         if signals.stopping and not cut and time.monotonic() - signals.first_at >= exit_timeout:
             print(f"serve: tritonserver still running at the exit timeout ({exit_timeout:g} s), "
                   "in-flight requests are cut: killing it", file=sys.stderr, flush=True)
@@ -220,6 +242,32 @@ def exit_status(returncode: int, signals: StopSignals) -> int:
         return 0
     print(f"serve: tritonserver exited by itself with status {returncode}", file=sys.stderr, flush=True)
     return 128 - returncode if returncode < 0 else returncode  # -N: killed by signal N
+
+
+def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespace) -> int:
+    """Waits for tritonserver's exit; on a dead stub, starts it again (--health-check)."""
+    while True:
+        watch = StubWatch(server.process.pid, server.http_url, http_headers(args.admin_key))
+        try:
+            return exit_status(wait_exit(server, signals, args.exit_timeout_secs, watch), signals)
+        except StubDied:
+            server.stop()  # the reaper and the log; what is left of the group goes
+            if not args.health_check:
+                print("serve: exiting with status 1 (--health-check starts tritonserver again)",
+                      file=sys.stderr, flush=True)
+                return 1
+        print("serve: --health-check: starting tritonserver again", file=sys.stderr, flush=True)
+        restarted = time.monotonic()
+        server.start()
+        signals.attach(server)
+        ready = wait_ready(server, signals, args.ready_timeout)
+        if ready is None:
+            print(f"serve: not ready after {args.ready_timeout:.0f} s", file=sys.stderr)
+            server.stop(args.exit_timeout_secs)
+            return 1
+        if ready:
+            print(f"serve: tritonserver ready again in {time.monotonic() - restarted:.1f} s",
+                  file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -261,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  metrics  {server.metrics_url}\n"
                   + ("  admin APIs need the header admin-key (--restrict-api)\n"
                      if args.admin_key else ""), flush=True)
-        return exit_status(wait_exit(server, signals, args.exit_timeout_secs), signals)
+        return supervise(server, signals, args)
     finally:
         if signals.killed:
             server.kill()

@@ -17,6 +17,7 @@ A request is written when it ends. The file is size-capped: past max_bytes it is
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
@@ -26,6 +27,8 @@ from engine.core.kv_cache import BlockHasher, external_hash
 from engine.core.kv_cache.hashing import lora_extra_key
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
 
 TRACE_VERSION = 1
 _FALLBACK_HASHER = BlockHasher()
@@ -68,9 +71,9 @@ class TraceRecorder:
         self._origin = time.monotonic()
         self._header = {"type": "header", "version": TRACE_VERSION,
                         "origin_wall_time": time.time(), **header}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = None
-        self._open()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._open()  # an unwritable path raises here: open_trace turns tracing off
         self._first_token: dict[str, float] = {}
         self._step_start = 0.0
         self._step_preemptions = 0
@@ -82,12 +85,33 @@ class TraceRecorder:
         self._file = open(self.path, "w", encoding="utf-8", buffering=1)
         self._write(self._header)
 
+    @property
+    def off(self) -> bool:
+        return self._file is None
+
     def _write(self, record: dict[str, Any]) -> None:
-        self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
-        if self._file.tell() > self.max_bytes:
-            self._file.close()
-            os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-            self._open()
+        if self._file is None:
+            return
+        try:
+            self._file.write(json.dumps(record, separators=(",", ":")) + "\n")
+            if self._file.tell() > self.max_bytes:
+                self._file.close()
+                os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                self._open()
+        except OSError as exc:
+            # A full disk or a vanished folder must not fail the step that wrote the
+            # record: the trace is a side product, the requests are the product.
+            self._switch_off(exc)
+
+    def _switch_off(self, exc: OSError) -> None:
+        logger.error("workload trace %s: %s; tracing switched off, requests are unaffected",
+                     self.path, exc)
+        file, self._file = self._file, None
+        try:
+            if file is not None:
+                file.close()
+        except OSError:
+            pass  # the buffered records that failed to flush are the ones just reported
 
     def now(self) -> float:
         return time.monotonic() - self._origin
@@ -96,14 +120,19 @@ class TraceRecorder:
     # which step_features must not see) -> updated -> ended. A step that scheduled
     # nothing is not recorded.
     def step_started(self, num_preemptions_total: int) -> None:
+        if self.off:
+            return
         self._step_start = self.now()
         self._step_preemptions = num_preemptions_total
         self._step_features = None
 
     def step_scheduled(self, out: SchedulerOutput) -> None:
-        self._step_features = step_features(out)
+        if not self.off:
+            self._step_features = step_features(out)
 
     def requests_updated(self, requests: list[Request]) -> None:
+        if self.off:
+            return
         for request in requests:
             self._first_token.setdefault(request.request_id, self.now())
             if request.is_finished:
@@ -120,6 +149,8 @@ class TraceRecorder:
         self._step_features = None
 
     def finished(self, request: Request, cancelled: bool = False) -> None:
+        if self.off:
+            return
         now = self.now()
         params = request.sampling_params
         self._write({
@@ -139,7 +170,10 @@ class TraceRecorder:
 
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
-            self._file.close()
+            try:
+                self._file.close()
+            except OSError as exc:
+                self._switch_off(exc)
 
 
 class NullTrace:

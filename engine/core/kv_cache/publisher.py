@@ -96,6 +96,7 @@ class ZmqEventPublisher:
             raise ValueError(f"kv_events_config: cannot open {opening[0]} {opening[1]!r} "
                              f"(rank {data_parallel_rank}): {exc}") from exc
         self.next_seq = 0
+        self.dropped = 0  # batches refused because the queue to the thread was full
         self._running = True
         self._thread = threading.Thread(target=self._serve, name="kv-events", daemon=True)
         self._thread.start()
@@ -104,12 +105,15 @@ class ZmqEventPublisher:
         if not events:
             return
         try:
-            # The thread drains far faster than steps come; a full queue means it is
-            # gone, and the engine must not wait on it.
-            self._queue.put((time.time(), events), timeout=1.0)
+            # The thread drains far faster than steps come (a subscriber that never reads
+            # costs it nothing: PUB drops at its hwm); a full queue means the thread is
+            # stuck, and the engine step must not wait on it, not even a timeout's worth.
+            self._queue.put_nowait((time.time(), events))
         except queue.Full:
-            logger.error("KV-event queue full (%d batches); dropping a batch",
-                         self._config.max_queue_size)
+            if not self.dropped:
+                logger.error("KV-event queue full (%d batches): dropping batches, counted in "
+                             "vllm:kv_events_dropped_total", self._config.max_queue_size)
+            self.dropped += 1
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Waits until every batch handed to publish() is on the wire (and in the replay
@@ -190,6 +194,7 @@ class NullEventPublisher:
     """KV events off: the engine publishes every step without asking whether anyone listens."""
 
     enabled = False
+    dropped = 0
 
     def publish(self, events: list[KVCacheEvent]) -> None:
         pass

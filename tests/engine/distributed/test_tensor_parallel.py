@@ -187,9 +187,11 @@ def test_replicated_kv_head_tied_padded_vocab_then_a_killed_worker(tiny_one_kv_h
         worker = engine._tensor_parallel.workers[0]
         os.kill(worker.pid, signal.SIGKILL)
         started = time.monotonic()
-        with pytest.raises(EngineStepError, match=r"tensor-parallel worker died: tle-tp-rank1"):
+        with pytest.raises(EngineStepError, match=r"tensor-parallel worker died: tle-tp-rank1") \
+                as failure:
             for _ in range(50):
                 engine.step()
+        assert failure.value.fatal  # the backend's loop ends on it (health check: unload)
         assert time.monotonic() - started < 10
         assert not engine.has_unfinished_requests()  # the step's requests were aborted
         engine.add_request("c", PROMPTS[2], GREEDY)  # later steps keep failing, at once
