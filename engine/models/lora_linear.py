@@ -69,12 +69,16 @@ class LoRALinear(nn.Module):
         return self.base.kernel_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base.forward(x)
+        # A row-parallel base (tensor parallelism) holds a slice of the input features and
+        # so does the adapter's A: its update is a partial sum too, added before the
+        # base's all-reduce so that one collective sums both.
+        partial = getattr(self.base, "partial_forward", None)
+        y = self.base.forward(x) if partial is None else partial(x)
         for group in self.batch.groups:
             module = group.modules.get(self.name)
             if module is not None:
                 module.add_to(x, y, group.rows)
-        return y
+        return y if partial is None else self.base.reduce(y)
 
 
 def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
@@ -82,12 +86,16 @@ def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
     wrapped layer (by module name) is made of, for the adapter loader to check against."""
     batch = LoRABatch()
     targets: dict[str, LoRATarget] = {}
+    config = model.config
+    # The full model's sizes, from its config: under tensor parallelism the layers are
+    # already cut to one rank's slices, but adapters are checked (and then sharded) whole.
+    head_dim = model.model.layers[0].self_attn.head_dim
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    inter = config.intermediate_size
+    hidden = config.hidden_size
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        q = attn.num_heads * attn.head_dim
-        kv = attn.num_kv_heads * attn.head_dim
-        inter = mlp.intermediate_size
-        hidden = model.config.hidden_size
         prefix = f"model.layers.{i}"
         layout = {
             "self_attn.qkv_proj": (hidden, (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
