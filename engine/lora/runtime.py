@@ -13,7 +13,8 @@ from engine.core.request import Request
 from engine.lora.adapter import AdapterFiles, LoRAAdapter, load_adapter
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
-from engine.models.lora_linear import LoRAGroup, ModuleLoRA, attach_lora
+from engine.models.lora_linear import ModuleLoRA, attach_lora
+from kernels.lora_ops import make_segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,18 +76,17 @@ class LoRARuntime:
 
     def apply(self, plan: LoRAStepPlan) -> None:
         """Hand the wrapped layers this step's groups (loading an adapter not loaded)."""
-        groups = []
-        for lora, runs in plan.groups:
-            if len(runs) == 1:
-                rows = slice(runs[0][0], runs[0][1])
-            else:
-                rows = torch.cat([torch.arange(a, b) for a, b in runs]).to(self.device)
-            groups.append(LoRAGroup(rows, self.registry.get(lora).modules))
-        self.batch.groups = groups
-        self._decoder.fused_single_decode = self._fused_decode and not groups
+        if not plan.groups:
+            self.clear_step()
+            self._decoder.fused_single_decode = self._fused_decode
+            return
+        self.batch.segments = make_segments([runs for _, runs in plan.groups], self.device)
+        self.batch.modules = [self.registry.get(lora).modules for lora, _ in plan.groups]
+        self._decoder.fused_single_decode = False
 
     def set_step(self, requests: Sequence[Request], num_tokens: Sequence[int]) -> None:
         self.apply(self.plan_step(requests, num_tokens))
 
     def clear_step(self) -> None:
-        self.batch.groups = []
+        self.batch.segments = None
+        self.batch.modules = []
