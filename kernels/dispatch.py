@@ -232,5 +232,5 @@ def _triton_lora_fits(x: torch.Tensor, y: torch.Tensor, weights: SegmentWeights)
     return (x.dim() == 2 and y.dtype == x.dtype and x.stride(1) == 1 and y.stride(1) == 1
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(w is None or (w[0].dtype == x.dtype and w[1].dtype == x.dtype
-                                  and w[0].is_contiguous() and w[1].is_contiguous())
+                                  and w[0].is_contiguous() and w[1].t().is_contiguous())
                     for w in weights))

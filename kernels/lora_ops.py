@@ -11,7 +11,8 @@ from typing import Sequence
 import torch
 
 # One segment's weights: A [rank, in], B [out, rank], or None where that adapter has no
-# update for the layer.
+# update for the layer. The kernels take A row-major and B column-major (B^T's rows
+# contiguous, as `lora_layout` stores them): the expand then runs along `out`.
 SegmentWeights = Sequence["tuple[torch.Tensor, torch.Tensor] | None"]
 
 
@@ -28,6 +29,11 @@ class LoRASegments:
     @property
     def num_segments(self) -> int:
         return len(self.row_sets)
+
+
+def lora_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A and B as the kernels read them (see SegmentWeights); same values."""
+    return a.contiguous(), b.t().contiguous().t()
 
 
 def make_segments(runs: Sequence[Sequence[tuple[int, int]]],

@@ -26,11 +26,11 @@ class LoRASharder:
     def __call__(self, name: str, module: ModuleLoRA) -> ModuleLoRA:
         kind = name.rsplit(".", 1)[1]
         if kind == "qkv_proj":
-            return ModuleLoRA(module.a, _rows(module.b, self.qkv_rows))
+            return ModuleLoRA.of(module.a, _rows(module.b, self.qkv_rows))
         if kind == "gate_up_proj":
-            return ModuleLoRA(module.a, _rows(module.b, self.gate_up_rows))
+            return ModuleLoRA.of(module.a, _rows(module.b, self.gate_up_rows))
         start, end = self.o_columns if kind == "o_proj" else self.down_columns
-        return ModuleLoRA(module.a[:, start:end].contiguous(), module.b)
+        return ModuleLoRA.of(module.a[:, start:end], module.b)
 
 
 def lora_sharder(hf_config, world_size: int, rank: int) -> LoRASharder:
@@ -53,4 +53,4 @@ def lora_sharder(hf_config, world_size: int, rank: int) -> LoRASharder:
 
 
 def _rows(b: torch.Tensor, pieces: tuple[tuple[int, int], ...]) -> torch.Tensor:
-    return torch.cat([b[start:end] for start, end in pieces]).contiguous()
+    return torch.cat([b[start:end] for start, end in pieces])

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.models.layers import Linear
 from kernels import dispatch
-from kernels.lora_ops import LoRASegments
+from kernels.lora_ops import LoRASegments, lora_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,11 @@ class ModuleLoRA:
     shrink and one expand whatever subset of its parts the adapter trained."""
     a: torch.Tensor
     b: torch.Tensor
+
+    @classmethod
+    def of(cls, a: torch.Tensor, b: torch.Tensor) -> "ModuleLoRA":
+        """In the layout the update kernels read (kernels/lora_ops.py: B column-major)."""
+        return cls(*lora_layout(a, b))
 
 
 @dataclass(slots=True)

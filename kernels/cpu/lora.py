@@ -45,7 +45,9 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
         rank = a.shape[0]
         if (a.shape[1], b.shape[0], b.shape[1]) != (x.shape[1], y.shape[1], rank):
             return False
-        if a.dtype != dtype or b.dtype != dtype or not (a.is_contiguous() and b.is_contiguous()):
+        # A row-major; B column-major (B^T's rows contiguous: kernels/lora_ops.py).
+        if (a.dtype != dtype or b.dtype != dtype or not a.is_contiguous()
+                or not b.t().is_contiguous()):
             return False
         a_ptrs[g], b_ptrs[g], ranks[g] = a.data_ptr(), b.data_ptr(), rank
     status = lib.lora_sgmv(int(dtype == torch.bfloat16), x.data_ptr(), x.stride(0),

@@ -67,8 +67,8 @@ def sgmv_kernel(x_ptr, y_ptr, rows_ptr, starts_ptr, a_buf, a_offsets, b_buf, b_o
         for n in range(0, out_features, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             n_mask = offs_n < out_features
-            # B is [out, rank]: its [RANK_PAD, BLOCK_N] tile read transposed.
-            bt = tl.load(b_ptr + offs_n[None, :] * rank + offs_r[:, None],
+            # B is column-major (B^T [rank, out] row-major): a [RANK_PAD, BLOCK_N] tile.
+            bt = tl.load(b_ptr + offs_r[:, None] * out_features + offs_n[None, :],
                          mask=rank_mask[:, None] & n_mask[None, :], other=0.0)
             update = dot(shrunk_in, bt, FP32_DOT).to(x_ptr.dtype.element_ty)
             y_ptrs = y_ptr + rows[:, None] * y_stride + offs_n[None, :]
@@ -83,7 +83,7 @@ def sgmv_kernel(x_ptr, y_ptr, rows_ptr, starts_ptr, a_buf, a_offsets, b_buf, b_o
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
              weights: SegmentWeights, tiles: LoRATiles = LoRATiles()) -> None:
     """y[rows of g] += (x[rows of g] A_g^T) B_g^T in place, for 2-D x and y with unit
-    column stride and contiguous A, B in x's dtype (kernels.dispatch checks)."""
+    column stride, A row-major and B column-major in x's dtype (kernels.dispatch checks)."""
     n = segments.num_segments
     if n == 0 or segments.max_rows == 0:
         return
@@ -92,7 +92,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
     if not present:
         return
     a_buf, a_offsets = _one_buffer([ab[0] for ab in weights if ab is not None])
-    b_buf, b_offsets = _one_buffer([ab[1] for ab in weights if ab is not None])
+    b_buf, b_offsets = _one_buffer([ab[1].t() for ab in weights if ab is not None])
     a_off, b_off, ranks, i = [0] * n, [0] * n, [0] * n, 0
     for g, ab in enumerate(weights):
         if ab is not None:
@@ -105,7 +105,8 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
     rows = segments.rows.to(device)
     rank_pad = max(16, triton.next_power_of_2(max(ranks)))
     grid = (n, triton.cdiv(segments.max_rows, tiles.block_m))
-    sgmv_kernel[grid](x, y, rows, starts, a_buf, a_off_t, b_buf, b_off_t, rank_t, x.shape[1], y.shape[1],
+    sgmv_kernel[grid](x, y, rows, starts, a_buf, a_off_t, b_buf, b_off_t, rank_t, x.shape[1],
+                      y.shape[1],
                       x.stride(0), y.stride(0), RANK_PAD=rank_pad, BLOCK_M=tiles.block_m,
                       BLOCK_K=tiles.block_k, BLOCK_N=tiles.block_n,
                       # float32 as torch computes it (not TF32); the interpreter's bf16
