@@ -83,7 +83,7 @@ def run_lora(args, engine_args: dict, make_workload) -> None:
                                   "--dtype", dtype, "--max-model-len", "2048", *extra],
                                  _vllm_env())
                 except RuntimeError as exc:
-                    vllm_error = str(exc).strip().splitlines()[-1]
+                    vllm_error = _reason(str(exc))
                 else:
                     record("vLLM CPU mixed", r["mixed_tok_s"])
                     record("vLLM CPU base", r["base_tok_s"])
@@ -102,6 +102,13 @@ def run_lora(args, engine_args: dict, make_workload) -> None:
               f"{figs['vLLM CPU mixed'] / figs['vLLM CPU base']:.2f}x")
     if vllm_error:
         print(f"  vLLM CPU refused the LoRA run: {vllm_error}")
+
+
+def _reason(stderr: str) -> str:
+    """The line of a failed peer's stderr that says why (shutdown warnings come last)."""
+    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if "Error" in line or "error:" in line]
+    return (errors or lines or ["(no output)"])[-1]
 
 
 def _vllm_env() -> dict:
