@@ -29,7 +29,8 @@ from kernels import lora_ops, torch_ops
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
 from kernels.linear_weight import LinearWeight
-from kernels.lora_ops import LoRASegments, SegmentWeights
+# The engine builds a step's segments and lays adapters out through these re-exports.
+from kernels.lora_ops import LoRASegments, SegmentWeights, lora_layout, make_segments  # noqa: F401
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 

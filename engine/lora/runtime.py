@@ -14,7 +14,7 @@ from engine.lora.adapter import AdapterFiles, LoRAAdapter, load_adapter
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
 from engine.models.lora_linear import ModuleLoRA, attach_lora
-from kernels.lora_ops import make_segments
+from kernels.dispatch import make_segments
 
 
 @dataclass(frozen=True, slots=True)

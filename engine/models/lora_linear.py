@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.models.layers import Linear
 from kernels import dispatch
-from kernels.lora_ops import LoRASegments, lora_layout
+from kernels.dispatch import LoRASegments, lora_layout
 
 
 @dataclass(frozen=True, slots=True)
