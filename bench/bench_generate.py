@@ -20,6 +20,8 @@ Workloads (greedy, ignore_eos so lengths are exact; --num-prompts N keeps the fi
   variable  64 prompts of 64-512 tokens, outputs drawn uniformly from 16-256 tokens
   single    one request (the first workload's first prompt) x 128 new tokens, wall time
             including prefill
+  lora      (--workload lora only) the fixed workload over --lora-adapters random adapters
+            of --lora-rank + the base, vs the base alone and vLLM CPU (bench/lora_workload.py)
 """
 from __future__ import annotations
 
@@ -159,7 +161,10 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="+", metavar="FILE",
                     help="GGUF files of --model's weights, for llama.cpp and quantization=gguf "
                          "(default: --model when it is a .gguf, the embedded one without --model)")
-    ap.add_argument("--workload", choices=["fixed", "variable", "all"], default="all")
+    ap.add_argument("--workload", choices=["fixed", "variable", "all", "lora"], default="all")
+    ap.add_argument("--lora-adapters", type=int, default=4)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=64,
                     help="requests per batch workload (the first N of the 64): a 1B model on a "
                          "few cores takes minutes per 64")
@@ -207,6 +212,9 @@ def main() -> None:
     extra = {"quantization": args.quantization} if args.quantization else {}
     engine_args = dict(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048, **extra)
+    if args.workload == "lora":
+        from bench.lora_workload import run_lora
+        return run_lora(args, engine_args, make_workload)
     llm = LLM(args.model, **engine_args)
     tok = llm.get_tokenizer()
     dtype = str(llm.llm_engine.loaded.dtype).removeprefix("torch.")  # what "auto" chose

@@ -71,7 +71,10 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                                              sched_cfg.max_model_len))
             send_step = tensor_parallel.send_step
         lora = None
-        if config.lora.enable_lora:
+        if config.lora.enable_lora and tensor_parallel is not None:
+            from engine.distributed.worker import lora_runtime
+            lora = lora_runtime(loaded, config.lora, tensor_parallel.group)
+        elif config.lora.enable_lora:
             from engine.lora.runtime import LoRARuntime
             lora = LoRARuntime(loaded.model, config.lora, loaded.dtype,
                                next(loaded.model.parameters()).device)

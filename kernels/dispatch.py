@@ -30,12 +30,15 @@ import torch.nn.functional as F
 from kernels.cpu import decode_step as cpu_decode_step
 from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
+from kernels.cpu import lora as cpu_lora
 from kernels.cpu import native as cpu_native
 from kernels.cpu import onednn as cpu_onednn
-from kernels import torch_invariant, torch_ops
+from kernels import lora_ops, torch_invariant, torch_ops
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
 from kernels.linear_weight import LinearWeight
+# The engine builds a step's segments and lays adapters out through these re-exports.
+from kernels.lora_ops import LoRASegments, SegmentWeights, lora_layout, make_segments  # noqa: F401
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -280,3 +283,27 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
     or bf16 on CPU; kernels/cpu/decode_step.py), or None where it does not apply."""
     return cpu_decode_step.plan(layers, num_heads, num_kv_heads, head_dim, rot_half, eps,
                                 scale, cos_table, sin_table, final_norm)
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
+             weights: SegmentWeights) -> None:
+    """y[rows of segment g] += (x[rows of g] A_g^T) B_g^T in place: a step's LoRA update
+    for one layer, every adapter group at once (kernels/lora_ops.py defines it).
+    CUDA: the segmented Triton kernel; CPU: the native one (float32 / bf16, unit column
+    strides), else the torch path's shrink and expand per segment."""
+    if x.is_cuda:
+        if _triton_lora_fits(x, y, weights):
+            from kernels.triton import lora as triton_lora
+            triton_lora.lora_add(x, y, segments, weights)
+            return
+    elif cpu_lora.lora_add(x, y, segments, weights):
+        return
+    lora_ops.lora_add(x, y, segments, weights)
+
+
+def _triton_lora_fits(x: torch.Tensor, y: torch.Tensor, weights: SegmentWeights) -> bool:
+    return (x.dim() == 2 and y.dtype == x.dtype and x.stride(1) == 1 and y.stride(1) == 1
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+            and all(w is None or (w[0].dtype == x.dtype and w[1].dtype == x.dtype
+                                  and w[0].is_contiguous() and w[1].t().is_contiguous())
+                    for w in weights))

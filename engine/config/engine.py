@@ -83,8 +83,6 @@ class EngineConfig:
             # The packed GGUF blocks are quantized along the rows the shards would cut.
             raise ValueError("quantization 'gguf' runs in one process only; it cannot be "
                              f"combined with tensor_parallel_size={self.tensor_parallel_size}")
-        if self.lora.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError("enable_lora is not supported with tensor_parallel_size > 1 yet")
         if self.batch_invariant:
             self._check_batch_invariant()
 

@@ -87,7 +87,8 @@ class TensorParallelExecutor:
         processes = [context.Process(
             target=run_worker, name=f"tle-tp-rank{rank}", daemon=True,
             args=(WorkerSpec(address, rank, model_dir, config.dtype, config.tokenizer,
-                             num_threads, compute_timeout_s),))
+                             num_threads, compute_timeout_s,
+                             config.lora if config.lora.enable_lora else None),))
             for rank in range(1, world)]
         self._workers = _Workers(processes, rendezvous_dir)
         self.failure: str | None = None

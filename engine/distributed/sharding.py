@@ -87,8 +87,16 @@ class RowParallelLinear(Linear):
         self.bias = full.bias if group.is_driver else None
         self.group = group
 
+    def partial_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product, before the all-reduce (a LoRA wrapper adds its
+        own partial update to it first)."""
+        return super().forward(x)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(partial)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(super().forward(x))
+        return self.reduce(self.partial_forward(x))
 
 
 class VocabParallelEmbedding(Embedding):

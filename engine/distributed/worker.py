@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config.lora import LoRAConfig
 from engine.distributed.group import GroupAddress, ParallelGroup
 
 
@@ -21,6 +22,7 @@ class WorkerSpec:
     tokenizer: str | None
     num_threads: int
     compute_timeout_s: float
+    lora: LoRAConfig | None = None  # enable_lora: this rank loads and shards the adapters
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,8 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
     if setup is None:  # rank 0 gave up before serving (e.g. its KV pool was refused)
         return
     assert isinstance(setup, CacheSetup)
-    runner = ModelRunner(loaded, setup.num_kv_blocks, setup.block_size)
+    runner = ModelRunner(loaded, setup.num_kv_blocks, setup.block_size,
+                         lora=lora_runtime(loaded, spec.lora, group))
     dispatch.warm_up(runner.kv_caches[0][0], loaded.num_heads, setup.max_model_len,
                      setup.max_num_batched_tokens)
     group.barrier()  # ready: rank 0's first step may come
@@ -68,6 +71,17 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
             if inputs is None:
                 return
             runner.forward(inputs.to(group.device))
+
+
+def lora_runtime(loaded, config: LoRAConfig | None, group: ParallelGroup):
+    """This rank's LoRA state (None without enable_lora): adapters are read from their
+    folders by every rank, checked whole, then cut to the rank's slices."""
+    if config is None or not config.enable_lora:
+        return None
+    from engine.distributed.lora_sharding import lora_sharder
+    from engine.lora.runtime import LoRARuntime
+    shard = lora_sharder(loaded.hf_config, group.world_size, group.rank)
+    return LoRARuntime(loaded.model, config, loaded.dtype, group.device, shard=shard)
 
 
 def _exit_with_parent() -> None:

@@ -211,5 +211,5 @@ def _stack(target: LoRATarget, parts: dict[int, tuple[torch.Tensor, torch.Tensor
             b_all[out_start:out_start + out_features, col:col + r] = b.float() * scaling
             col += r
         out_start += out_features
-    return ModuleLoRA(a_all.to(device=device, dtype=dtype).contiguous(),
-                      b_all.to(device=device, dtype=dtype).contiguous())
+    return ModuleLoRA.of(a_all.to(device=device, dtype=dtype),
+                         b_all.to(device=device, dtype=dtype))

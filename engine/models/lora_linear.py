@@ -2,7 +2,8 @@
 
 `attach_lora` wraps the four projections of every decoder layer (fused qkv_proj and
 gate_up_proj included); the runner hands each step's adapter groups to the shared
-`LoRABatch` before the forward. A step with no adapter rows runs the base layer only."""
+`LoRABatch` before the forward. A step with no adapter rows runs the base layer only.
+The update itself, every group at once, is kernels.dispatch.lora_add's."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from engine.models.layers import Linear
+from kernels import dispatch
+from kernels.dispatch import LoRASegments, lora_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,25 +38,19 @@ class ModuleLoRA:
     a: torch.Tensor
     b: torch.Tensor
 
-    def add_to(self, x: torch.Tensor, y: torch.Tensor, rows: slice | torch.Tensor) -> None:
-        if isinstance(rows, slice):
-            y[rows] += (x[rows] @ self.a.t()) @ self.b.t()
-        else:
-            y.index_add_(0, rows, (x.index_select(0, rows) @ self.a.t()) @ self.b.t())
-
-
-@dataclass(slots=True)
-class LoRAGroup:
-    """The rows of one step that run one adapter, and that adapter's layers by name."""
-    rows: slice | torch.Tensor
-    modules: dict[str, ModuleLoRA]
+    @classmethod
+    def of(cls, a: torch.Tensor, b: torch.Tensor) -> "ModuleLoRA":
+        """In the layout the update kernels read (kernels/lora_ops.py: B column-major)."""
+        return cls(*lora_layout(a, b))
 
 
 @dataclass(slots=True)
 class LoRABatch:
     """This step's adapter groups, shared by every wrapped layer of one model; the runner
-    sets it before the forward and clears it after (empty: base rows only)."""
-    groups: list[LoRAGroup] = field(default_factory=list)
+    sets it before the forward and clears it after (no segments: base rows only).
+    `modules[g]` is segment g's adapter's layers by name."""
+    segments: LoRASegments | None = None
+    modules: list[dict[str, ModuleLoRA]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -69,12 +66,19 @@ class LoRALinear(nn.Module):
         return self.base.kernel_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base.forward(x)
-        for group in self.batch.groups:
-            module = group.modules.get(self.name)
-            if module is not None:
-                module.add_to(x, y, group.rows)
-        return y
+        # A row-parallel base (tensor parallelism) holds a slice of the input features and
+        # so does the adapter's A: its update is a partial sum too, added before the
+        # base's all-reduce so that one collective sums both.
+        partial = getattr(self.base, "partial_forward", None)
+        y = self.base.forward(x) if partial is None else partial(x)
+        segments = self.batch.segments
+        if segments is not None:
+            weights = []
+            for modules in self.batch.modules:
+                module = modules.get(self.name)
+                weights.append(None if module is None else (module.a, module.b))
+            dispatch.lora_add(x, y, segments, weights)
+        return y if partial is None else self.base.reduce(y)
 
 
 def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
@@ -82,12 +86,16 @@ def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
     wrapped layer (by module name) is made of, for the adapter loader to check against."""
     batch = LoRABatch()
     targets: dict[str, LoRATarget] = {}
+    config = model.config
+    # The full model's sizes, from its config: under tensor parallelism the layers are
+    # already cut to one rank's slices, but adapters are checked (and then sharded) whole.
+    head_dim = model.model.layers[0].self_attn.head_dim
+    q = config.num_attention_heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
+    inter = config.intermediate_size
+    hidden = config.hidden_size
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        q = attn.num_heads * attn.head_dim
-        kv = attn.num_kv_heads * attn.head_dim
-        inter = mlp.intermediate_size
-        hidden = model.config.hidden_size
         prefix = f"model.layers.{i}"
         layout = {
             "self_attn.qkv_proj": (hidden, (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),

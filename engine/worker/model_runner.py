@@ -18,7 +18,7 @@ from engine.worker.cuda_graphs import DecodeGraphs
 from kernels import dispatch
 
 if TYPE_CHECKING:
-    from engine.lora.runtime import LoRARuntime
+    from engine.lora.runtime import LoRARuntime, LoRAStepPlan
 
 
 @dataclass(slots=True)
@@ -43,6 +43,8 @@ class StepInputs:
     meta: AttentionMetadata
     # Rows whose logits are computed; None when no request samples this step.
     sample_rows: torch.Tensor | None
+    # enable_lora: the step's rows by adapter (every rank applies it to its shards).
+    lora: "LoRAStepPlan | None" = None
 
     def to(self, device: torch.device) -> "StepInputs":
         m = self.meta
@@ -50,7 +52,8 @@ class StepInputs:
                                  m.query_start_loc.to(device), m.seq_lens.to(device),
                                  m.max_query_len, m.max_seq_len)
         rows = None if self.sample_rows is None else self.sample_rows.to(device)
-        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows)
+        return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows,
+                          self.lora)
 
 
 class ModelRunner:
@@ -104,17 +107,13 @@ class ModelRunner:
         if self.num_steps == self.fail_at_step:
             raise InjectedFailure(f"injected model failure at engine step {self.num_steps}")
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
-        inputs = StepInputs(input_ids, positions, meta, sample_rows if sample_reqs else None)
+        plan = None if self.lora is None else self.lora.plan_step(
+            requests, [out.num_scheduled_tokens[r.request_id] for r in requests])
+        inputs = StepInputs(input_ids, positions, meta, sample_rows if sample_reqs else None,
+                            plan)
         if self.send_step is not None:
             self.send_step(inputs)
-        if self.lora is None:
-            logits = self.forward(inputs)
-        else:
-            self.lora.set_step(requests, [out.num_scheduled_tokens[r.request_id] for r in requests])
-            try:
-                logits = self.forward(inputs)
-            finally:
-                self.lora.clear_step()
+        logits = self.forward(inputs)
         if logits is None:
             return RunnerOutput({}, {})
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
@@ -138,6 +137,15 @@ class ModelRunner:
     def forward(self, inputs: StepInputs) -> torch.Tensor | None:
         """The model's part of a step (what every tensor-parallel rank runs): logits of
         the sampled rows, or None when none samples."""
+        if self.lora is None or inputs.lora is None:
+            return self._forward(inputs)
+        self.lora.apply(inputs.lora)
+        try:
+            return self._forward(inputs)
+        finally:
+            self.lora.clear_step()
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         hidden = None
         if self.decode_graphs is not None and inputs.meta.max_query_len == 1:
             hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)

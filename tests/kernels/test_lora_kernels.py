@@ -1,0 +1,117 @@
+"""The segmented LoRA update: the native CPU kernel and the Triton kernel (under
+TRITON_INTERPRET=1 without a GPU, tiny shapes) against the torch reference in
+kernels/lora_ops.py, with segments of scattered rows, different ranks (a fused layer's
+stacked ones included), an adapter without this layer, and rows no segment names."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import dispatch
+from kernels.cpu import lora as cpu_lora
+from kernels.lora_ops import lora_add, lora_layout, make_segments
+
+TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4),
+             torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
+# Three adapters over 23 rows: one in two runs, one absent from this layer, base rows
+# (3..5 and 20..22) in none.
+RUNS = [[(0, 3), (12, 20)], [(6, 9)], [(9, 12)]]
+
+
+def _case(dtype, in_features, out_features, ranks, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(23, in_features, generator=gen).to(dtype)
+    y = torch.randn(23, out_features, generator=gen).to(dtype)
+    weights = [None if r is None else
+               lora_layout((torch.randn(r, in_features, generator=gen) * 0.3).to(dtype),
+                           (torch.randn(out_features, r, generator=gen) * 0.3).to(dtype))
+               for r in ranks]
+    return x, y, weights
+
+
+def _reference(x, y, segments, weights):
+    expected = y.clone()
+    lora_add(x, expected, segments, weights)
+    assert not torch.equal(expected, y)  # the update is not empty
+    return expected
+
+
+@pytest.mark.skipif(cpu_lora._library() is None,
+                    reason="no C compiler: the torch path runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 37, 130, 1: the vector loops' tails; segments of 11 and 3 rows: partial row blocks.
+@pytest.mark.parametrize("shape", [(64, 48, (16, None, 3)), (37, 130, (48, 8, 1))])
+def test_native_kernel_matches_torch(dtype, shape):
+    in_features, out_features, ranks = shape
+    x, y, weights = _case(dtype, in_features, out_features, ranks)
+    segments = make_segments(RUNS)
+    expected = _reference(x, y, segments, weights)
+    got = y.clone()
+    assert cpu_lora.lora_add(x, got, segments, weights)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    untouched = list(range(3, 6)) + list(range(20, 23))
+    assert torch.equal(got[untouched], y[untouched])
+
+
+def test_native_kernel_declines_what_it_does_not_take():
+    x, y, weights = _case(torch.float32, 16, 8, (4, None, 2))
+    segments = make_segments(RUNS)
+    assert not cpu_lora.lora_add(x.half(), y.half(), segments, weights)  # dtype
+    assert not cpu_lora.lora_add(x, y, segments, [(weights[0][0].t(), weights[0][1]), None,
+                                                  weights[2]])  # shapes
+    row_major_b = [weights[0], None, (weights[2][0], weights[2][1].contiguous())]
+    assert not cpu_lora.lora_add(x, y, segments, row_major_b)  # B's layout
+    # dispatch falls back to torch for them
+    doubles = [None if w is None else (w[0].double(), w[1].double()) for w in weights]
+    got = y.double()
+    dispatch.lora_add(x.double(), got, segments, doubles)
+    torch.testing.assert_close(got, _reference(x.double(), y.double(), segments, doubles))
+
+
+def test_dispatch_runs_the_update_on_a_strided_output():
+    """A fused layer's y is one buffer; the update may land on a column slice of it."""
+    x, y, weights = _case(torch.float32, 32, 24, (8, 4, None))
+    segments = make_segments(RUNS)
+    wide = torch.zeros(23, 40)
+    wide[:, 8:32] = y
+    expected = _reference(x, y, segments, weights)
+    dispatch.lora_add(x, wide[:, 8:32], segments, weights)
+    torch.testing.assert_close(wide[:, 8:32], expected, **TOLERANCE[torch.float32])
+
+
+def _in_one_buffer(weights):
+    """The same weights as views of one storage (how a pooled loader would hold them)."""
+    present = [w for w in weights if w is not None]
+    flat = torch.cat([t.reshape(-1) for a, b in present for t in (a, b.t())])
+    out, at = [], 0
+    for w in weights:
+        if w is None:
+            out.append(None)
+            continue
+        a, b = w
+        a_view = flat[at:at + a.numel()].view(a.shape)
+        at += a.numel()
+        b_view = flat[at:at + b.numel()].view(b.shape[1], b.shape[0]).t()
+        at += b.numel()
+        out.append((a_view, b_view))
+    return out
+
+
+@pytest.mark.parametrize("dtype,shared", [(torch.float32, False), (torch.bfloat16, False),
+                                          (torch.float32, True)])
+def test_triton_kernel_matches_torch(dtype, shared):
+    pytest.importorskip("triton")
+    from kernels.triton import lora as triton_lora
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # in 40 over block_k 16 and out 36 over block_n 16: partial tiles; rank 20 pads to 32.
+    x, y, weights = _case(dtype, 40, 36, (20, None, 5), seed=1)
+    segments = make_segments(RUNS)
+    expected = _reference(x, y, segments, weights)
+    on = [None if w is None else (w[0].to(device), w[1].to(device)) for w in weights]
+    if shared:
+        on = _in_one_buffer(on)
+    got = y.to(device)
+    triton_lora.lora_add(x.to(device), got, make_segments(RUNS, device), on,
+                         triton_lora.LoRATiles(block_m=16, block_k=16, block_n=16))
+    torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])
