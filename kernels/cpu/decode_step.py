@@ -44,15 +44,10 @@ class _Model(ctypes.Structure):
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_native.load_library()
-    if lib is None:
-        return None
-    lib.decode_step_scratch_floats.restype = _I64
-    lib.decode_step_scratch_floats.argtypes = [ctypes.POINTER(_Model)]
-    lib.decode_step.restype = _I32
-    lib.decode_step.argtypes = [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32,
-                                _I32, _I32]
-    return lib
+    return cpu_native.bind({
+        "decode_step_scratch_floats": (_I64, [ctypes.POINTER(_Model)]),
+        "decode_step": (_I32, [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32, _I32,
+                               _I32])})
 
 
 @dataclass(slots=True)

@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #endif
 
+#include "gguf_blocks.h"
+
 enum { NR = 16, MR = 6 };
 
 /* Whether this build's kernel is the fastest fp32 GEMM here: AVX2 + FMA without AVX-512,
@@ -130,44 +132,12 @@ void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t
     }
 }
 
-enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids, as linear_quant.c */
-
-/* Rows j0..j0+rows-1 of a GGUF weight (kernels/cpu/gguf_weight.py's layout: codes, float32
- * scales and offsets) -> float32 [rows][k], the values dequantize_rows_gguf gives. */
+/* Rows j0..j0+rows-1 of a GGUF weight -> float32 [rows][k], dequantize_rows_gguf's values. */
 static void dequantize_rows(int type, const uint8_t *qs, const float *d, const float *offset,
                             int64_t j0, int rows, int64_t k, float *out) {
-    const int64_t nblk = k / QK;
-    for (int r = 0; r < rows; r++) {
-        const int64_t j = j0 + r;
-        for (int64_t b = 0; b < nblk; b++) {
-            const float scale = d[j * nblk + b];
-            float *o = out + r * k + b * QK;
-            if (type == Q8_0) {
-                const int8_t *q = (const int8_t *)qs + j * k + b * QK;
-                for (int i = 0; i < QK; i++) o[i] = scale * (float)q[i];
-                continue;
-            }
-            const uint8_t *q = qs + j * (k / 2) + b * (QK / 2);
-            const float off = offset[j * nblk + b];
-#if defined(__AVX2__) && defined(__FMA__)
-            /* gcc leaves the nibble loop below scalar */
-            const __m128i packed = _mm_loadu_si128((const __m128i *)q);
-            const __m128i mask = _mm_set1_epi8(0x0F);
-            const __m128i low = _mm_and_si128(packed, mask);
-            const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-            const __m256 vs = _mm256_set1_ps(scale), vo = _mm256_set1_ps(off);
-            const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-            for (int h = 0; h < 4; h++)
-                _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(
-                    vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h])), vo));
-#else
-            for (int i = 0; i < QK / 2; i++) {
-                o[i] = scale * (float)(q[i] & 0x0F) + off;
-                o[i + 16] = scale * (float)(q[i] >> 4) + off;
-            }
-#endif
-        }
-    }
+    for (int r = 0; r < rows; r++)
+        for (int64_t b = 0; b < k / QK; b++)
+            dequantize_block(type, qs, d, offset, j0 + r, b, k, out + r * k + b * QK);
 }
 
 /* x [m, k] -> panels of 16 rows, [ceil(m / 16)][k][16], zero-padded. */

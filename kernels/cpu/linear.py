@@ -28,13 +28,7 @@ _SIGNATURES = {
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_native.load_library()
-    if lib is None:
-        return None
-    for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
-    return lib
+    return cpu_native.bind(_SIGNATURES)
 
 
 def available() -> bool:

@@ -16,12 +16,12 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "gguf_blocks.h"
 
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids */
 enum { PREFETCH_PAIRS = 4 };
 
 /* x [rows, k] (fp32 or bf16) -> q [rows, k] int8, scale and scale * sum(q) [rows, k / 32].
@@ -406,22 +406,8 @@ int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const floa
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
         const int64_t j = row_ids ? row_ids[r] : r;
-        float *dst = out + r * k;
-        for (int64_t b = 0; b < nblk; b++) {
-            const float scale = d[j * nblk + b];
-            float *o = dst + b * QK;
-            if (type == Q8_0) {
-                const int8_t *q = (const int8_t *)qs + j * k + b * QK;
-                for (int i = 0; i < QK; i++) o[i] = scale * (float)q[i];
-                continue;
-            }
-            const uint8_t *q = qs + j * (k / 2) + b * (QK / 2);
-            const float off = offset[j * nblk + b];
-            for (int i = 0; i < QK / 2; i++) {
-                o[i] = scale * (float)(q[i] & 0x0F) + off;
-                o[i + 16] = scale * (float)(q[i] >> 4) + off;
-            }
-        }
+        for (int64_t b = 0; b < nblk; b++)
+            dequantize_block(type, qs, d, offset, j, b, k, out + r * k + b * QK);
     }
     return 0;
 }

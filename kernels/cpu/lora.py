@@ -17,13 +17,8 @@ _DTYPES = (torch.float32, torch.bfloat16)
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
-    lib = cpu_native.load_library()
-    if lib is None:
-        return None
-    lib.lora_sgmv.restype = _I32
-    lib.lora_sgmv.argtypes = [_I32, _P, _I64, _P, _I64, _P, _P, _I32, _P, _P, _P, _I64, _I64,
-                              _I32]
-    return lib
+    return cpu_native.bind({"lora_sgmv": (_I32, [_I32, _P, _I64, _P, _I64, _P, _P, _I32, _P,
+                                                 _P, _P, _I64, _I64, _I32])})
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,

@@ -101,6 +101,18 @@ def load_library() -> ctypes.CDLL | None:
     return lib
 
 
+
+def bind(signatures: dict[str, tuple]) -> ctypes.CDLL | None:
+    """The library with these functions' ctypes result and argument types set ({name:
+    (restype, argtypes)}), for the wrappers of the other C files; None without it."""
+    lib = load_library()
+    if lib is None:
+        return None
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib
+
 # The element-wise kernels' dtypes; anything else (float16, float64) takes the torch path.
 _ELEMENTWISE = (torch.bfloat16, torch.float32)
 

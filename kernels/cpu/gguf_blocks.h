@@ -1,0 +1,47 @@
+/* GGUF's 32-weight blocks as kernels/cpu/gguf_weight.py lays them out (codes without the
+ * interleaved fp16 scales; float32 scales d and, for the 4-bit formats, offsets: w = d * u
+ * + offset, or d * q for Q8_0), shared by the int8 kernel (linear_quant.c) and the float32
+ * GEMM that widens them (gemm_f32.c). */
+#ifndef TLE_GGUF_BLOCKS_H
+#define TLE_GGUF_BLOCKS_H
+#include <stdint.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids */
+
+/* Block b of weight row j (k inputs a row) -> its 32 float32 values at o. */
+static inline void dequantize_block(int type, const uint8_t *qs, const float *d,
+                                    const float *offset, int64_t j, int64_t b, int64_t k,
+                                    float *o) {
+    const int64_t nblk = k / QK;
+    const float scale = d[j * nblk + b];
+    if (type == Q8_0) {
+        const int8_t *q = (const int8_t *)qs + j * k + b * QK;
+        for (int i = 0; i < QK; i++) o[i] = scale * (float)q[i];
+        return;
+    }
+    const uint8_t *q = qs + j * (k / 2) + b * (QK / 2);
+    const float off = offset[j * nblk + b];
+#if defined(__AVX2__) && defined(__FMA__)
+    /* gcc leaves the nibble loop below scalar; byte i holds elements i and i + 16 */
+    const __m128i packed = _mm_loadu_si128((const __m128i *)q);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(packed, mask);
+    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+    const __m256 vs = _mm256_set1_ps(scale), vo = _mm256_set1_ps(off);
+    const __m128i parts[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    for (int h = 0; h < 4; h++)
+        _mm256_storeu_ps(o + 8 * h, _mm256_fmadd_ps(
+            vs, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[h])), vo));
+#else
+    for (int i = 0; i < QK / 2; i++) {
+        o[i] = scale * (float)(q[i] & 0x0F) + off;
+        o[i + 16] = scale * (float)(q[i] >> 4) + off;
+    }
+#endif
+}
+
+#endif
