@@ -244,6 +244,19 @@ def exit_status(returncode: int, signals: StopSignals) -> int:
     return 128 - returncode if returncode < 0 else returncode  # -N: killed by signal N
 
 
+def start_and_wait(server: TritonServer, signals: StopSignals,
+                   args: argparse.Namespace) -> bool | None:
+    """Starts tritonserver and waits for it: True once ready, False if a stop came first,
+    None if it was not ready in time (it is stopped then, with a line saying so)."""
+    server.start()
+    signals.attach(server)
+    ready = wait_ready(server, signals, args.ready_timeout)
+    if ready is None:
+        print(f"serve: tritonserver not ready after {args.ready_timeout:.0f} s", file=sys.stderr)
+        server.stop(args.exit_timeout_secs)
+    return ready
+
+
 def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespace) -> int:
     """Waits for tritonserver's exit; on a dead stub, starts it again (--health-check)."""
     while True:
@@ -258,12 +271,8 @@ def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespa
                 return 1
         print("serve: --health-check: starting tritonserver again", file=sys.stderr, flush=True)
         restarted = time.monotonic()
-        server.start()
-        signals.attach(server)
-        ready = wait_ready(server, signals, args.ready_timeout)
+        ready = start_and_wait(server, signals, args)
         if ready is None:
-            print(f"serve: not ready after {args.ready_timeout:.0f} s", file=sys.stderr)
-            server.stop(args.exit_timeout_secs)
             return 1
         if ready:
             print(f"serve: tritonserver ready again in {time.monotonic() - restarted:.1f} s",
@@ -295,12 +304,8 @@ def main(argv: list[str] | None = None) -> int:
     server = TritonServer(repository, ServerPorts(args.http_port, args.grpc_port, args.metrics_port),
                           host=args.host, extra_args=extra)
     try:
-        server.start()
-        signals.attach(server)
-        ready = wait_ready(server, signals, args.ready_timeout)
+        ready = start_and_wait(server, signals, args)
         if ready is None:
-            print(f"serve: tritonserver not ready after {args.ready_timeout:.0f} s", file=sys.stderr)
-            server.stop(args.exit_timeout_secs)
             return 1
         if ready:
             print(f"\nTriton ready in {time.monotonic() - started:.1f} s (since serve started)\n"

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from tuning.apply import (Repository, changed_arguments, load_previous, parameters,
                           save_previous, with_parameters)
-from tuning.replay import Summary, measured, replay, summarize
+from tuning.replay import Summary, error_table, measured, replay, summarize
 from tuning.server_trace import (local_path, next_trace_path, recent, trace_path_of,
                                  wait_drained)
 from tuning.step_model import StepModel, held_out_error, step_durations
@@ -141,11 +141,7 @@ def comparison(actual: Summary, predicted: Summary) -> str:
             ("ITL p99 s", actual.itl["p99"], predicted.itl["p99"]),
             ("output tok/s", actual.output_tokens_per_s, predicted.output_tokens_per_s),
             ("preemptions", actual.preemptions, predicted.preemptions)]
-    lines = [f"{'':16s}{'predicted':>12s}{'measured':>12s}{'error':>9s}"]
-    for name, a, p in rows:
-        error = f"{p / a - 1:+.1%}" if a else "-"
-        lines.append(f"{name:16s}{p:12.4g}{a:12.4g}{error:>9s}")
-    return "\n".join(lines)
+    return error_table(rows, ("predicted", "measured"), label_width=16, predicted_first=True)
 
 
 def describe(values: dict) -> str:

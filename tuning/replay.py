@@ -230,10 +230,18 @@ def comparison_table(actual: Summary, predicted: Summary) -> str:
             ("output tok/s", actual.output_tokens_per_s, predicted.output_tokens_per_s),
             ("preemptions", actual.preemptions, predicted.preemptions),
             ("prefix hit rate", actual.prefix_hit_rate, predicted.prefix_hit_rate)]
-    lines = [f"{'':18s}{'measured':>12s}{'replay':>12s}{'error':>9s}"]
+    return error_table(rows, ("measured", "replay"), label_width=18)
+
+
+def error_table(rows: list[tuple[str, float, float]], headers: tuple[str, str],
+                label_width: int, predicted_first: bool = False) -> str:
+    """Rows of (name, measured, predicted) as a table with the prediction's error against
+    the measurement, the two value columns under `headers` in print order."""
+    lines = [f"{'':{label_width}s}{headers[0]:>12s}{headers[1]:>12s}{'error':>9s}"]
     for name, a, p in rows:
         error = f"{p / a - 1:+.1%}" if a else "-"
-        lines.append(f"{name:18s}{a:12.4g}{p:12.4g}{error:>9s}")
+        first, second = (p, a) if predicted_first else (a, p)
+        lines.append(f"{name:{label_width}s}{first:12.4g}{second:12.4g}{error:>9s}")
     return "\n".join(lines)
 
 
