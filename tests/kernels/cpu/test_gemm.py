@@ -1,8 +1,5 @@
 """The native float32 batch GEMM (kernels/cpu/gemm_f32.c) against float64 math, its rows
 independent of the batch around them, and where dispatch picks it."""
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +7,7 @@ import torch
 from kernels.cpu import features as cpu_features
 from kernels.cpu import gemm as cpu_gemm
 from testing.gguf_weights import gguf_weight
+from testing.native_build import CAN_DISASSEMBLE, disassemble
 
 pytestmark = pytest.mark.skipif(cpu_gemm._library() is None,
                                 reason="no C compiler: the engine keeps oneDNN / torch")
@@ -88,15 +86,9 @@ def test_the_gemm_is_preferred_exactly_on_avx2_builds_without_avx512():
     assert cpu_gemm.preferred() == ({"avx2", "fma"} <= flags and "avx512f" not in flags)
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("objdump") is None,
-                    reason="needs gcc and objdump")
+@pytest.mark.skipif(not CAN_DISASSEMBLE, reason="needs gcc and objdump")
 @pytest.mark.parametrize("march, fma", [(["-march=x86-64"], False), (["-march=x86-64-v3"], True),
                                         (["-march=x86-64-v4"], True)])
 def test_every_isa_builds_the_gemm(tmp_path, march, fma):
-    source = Path(cpu_gemm.__file__).with_name("gemm_f32.c")
-    obj = tmp_path / "gemm_f32.o"
-    subprocess.run(["gcc", "-O3", "-ffast-math", "-fopenmp", "-c", *march, str(source), "-o",
-                    str(obj)], check=True, capture_output=True)
-    disassembly = subprocess.run(["objdump", "-d", str(obj)], check=True, capture_output=True,
-                                 text=True).stdout
+    disassembly = disassemble("gemm_f32.c", march, tmp_path)
     assert ("vfmadd231ps" in disassembly or "vfmadd213ps" in disassembly) == fma

@@ -1,8 +1,6 @@
 """The native matmuls (kernels/cpu/linear_f32.c, linear_bf16.c, linear_quant.c) against
 torch, and the GGUF block layout against the gguf package's own quantize/dequantize."""
 import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ from kernels.cpu import linear as cpu_linear
 from kernels import torch_ops
 from kernels.cpu.gguf_weight import FORMATS, GgufWeight
 from testing.gguf_weights import gguf_weight
+from testing.native_build import CAN_DISASSEMBLE, disassemble
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine falls back to torch")
@@ -131,18 +130,12 @@ def test_bf16_row_kernel_runs_vdpbf16ps_exactly_where_the_cpu_has_it():
     assert cpu_linear.bf16_rows_use_dpbf16() == ("avx512_bf16" in cpu_features.detect().flags)
 
 
-@pytest.mark.skipif(shutil.which("gcc") is None or shutil.which("objdump") is None,
-                    reason="needs gcc and objdump")
+@pytest.mark.skipif(not CAN_DISASSEMBLE, reason="needs gcc and objdump")
 @pytest.mark.parametrize("march, dpbf16", [(["-march=x86-64"], False),
                                            (["-march=x86-64-v3"], False),
                                            (["-march=x86-64-v4", "-mavx512bf16"], True)])
 def test_every_bf16_row_loop_builds_on_any_host(tmp_path, march, dpbf16):
     """Each ISA's loop compiles here even where this CPU cannot run it, and the AVX-512
     BF16 build really holds vdpbf16ps."""
-    source = Path(cpu_linear.__file__).with_name("linear_bf16.c")
-    obj = tmp_path / "linear_bf16.o"
-    subprocess.run(["gcc", "-O3", "-ffast-math", "-fopenmp", "-c", *march, str(source), "-o",
-                    str(obj)], check=True, capture_output=True)
-    disassembly = subprocess.run(["objdump", "-d", str(obj)], check=True, capture_output=True,
-                                 text=True).stdout
+    disassembly = disassemble("linear_bf16.c", march, tmp_path)
     assert ("vdpbf16ps" in disassembly) == dpbf16
