@@ -79,6 +79,27 @@ def test_gguf_gemm_matches_float64_math_on_the_dequantized_weights(type_name, ro
     assert cpu_gemm.gemm_gguf(x[:, 1:], weight, bias) is None
 
 
+def test_gguf_gemm_rows_across_x_chunks_match_and_keep_their_bits():
+    """k = 2048 puts 3 x panels (48 rows) in a chunk, so 131 rows cross three chunk edges:
+    every chunk sees every weight row, and a row's bits do not depend on its chunk or the
+    thread count."""
+    weight, dense = gguf_weight("Q4_1", 13, 2048, seed=3)
+    x, _, bias = _operands(131, 13, 2048, seed=4)
+    out = cpu_gemm.gemm_gguf(x, weight, bias)
+    expected = x.double() @ dense.double().T + bias.double()
+    torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * 2048 + 1e-5)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = cpu_gemm.gemm_gguf(x, weight, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, out)
+    for row in (0, 47, 48, 130):
+        assert torch.equal(cpu_gemm.gemm_gguf(x[row:row + 1], weight, bias), out[row:row + 1])
+    assert torch.equal(cpu_gemm.gemm_gguf(x[40:], weight, bias), out[40:])
+
+
 def test_the_gemm_is_preferred_exactly_on_avx2_builds_without_avx512():
     """Measured faster than oneDNN on AVX2 (Zen 2); AVX-512 builds keep oneDNN's 16-wide
     kernels (and the capped pass on such hosts runs this kernel at avx2)."""
