@@ -146,12 +146,15 @@ def copy_bandwidth_gbs(num_bytes: int = 1 << 30) -> float:
 
 def bytes_per_step(model) -> int:
     """Weight bytes one decode step reads: the dense parameters plus the GGUF tables
-    (quantization="gguf"; a tied table counted once, as the lm_head reads it whole)."""
+    (quantization="gguf"; a tied table counted once, as the lm_head reads it whole) and
+    the GEMM panels that replaced dense weights (their real columns)."""
     prepared = [getattr(m, "prepared", None) for m in model.modules()] + [model.lm_head_prepared]
-    tables = {id(w.quantized): w.quantized for w in prepared
+    tables = {id(w.quantized): w.quantized.nbytes for w in prepared
               if w is not None and w.quantized is not None}
+    tables.update({id(w.panels): w.out_features * w.panels.shape[1] * w.panels.element_size()
+                   for w in prepared if w is not None and w.panels is not None})
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
-    return dense + sum(t.nbytes for t in tables.values())
+    return dense + sum(tables.values())
 
 
 def main() -> None:

@@ -206,7 +206,8 @@ def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
                    batch_invariant: bool = False) -> LinearWeight:
     """A loaded layer's weight ([out, in] dense, or GGUF blocks) as `linear` runs it:
     dense float32 ones packed for the native GEMM where the build says it is the fastest
-    (cpu_gemm.preferred), else prepacked for oneDNN where that is the faster CPU GEMM
+    (cpu_gemm.preferred; the panels then replace the dense copy for every row count), else
+    prepacked for oneDNN where that is the faster CPU GEMM
     (neither under `batch_invariant`: oneDNN picks its blocking by the row count, and the
     row kernel serves one row in another order than the GEMM's tiles). Run once loading
     (and sharding) is done: the packed copies do not track later edits."""
@@ -217,9 +218,19 @@ def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
         return LinearWeight(weight, bias, batch_invariant=True)
     if weight.dtype == torch.float32 and weight.is_cpu and cpu_gemm.preferred():
         panels = cpu_gemm.pack(weight)
-        if panels is not None:
-            return LinearWeight(weight, bias, panels=panels)
+        if panels is not None:  # the only copy: every row count runs on it
+            return LinearWeight(None, bias, panels=panels, out_features=weight.shape[0])
     return LinearWeight(weight, bias, packed=cpu_onednn.prepack(weight))
+
+
+def unpack_linear(weight: LinearWeight) -> torch.Tensor:
+    """The dense [out, in] weight of a prepared float32 one, bit-exact (its panels when
+    packing dropped the rows)."""
+    if weight.panels is not None:
+        return cpu_gemm.unpack(weight.panels, weight.out_features)
+    if weight.dense is None:
+        raise ValueError("unpack_linear: GGUF blocks have no exact dense copy")
+    return weight.dense
 
 
 def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
@@ -229,13 +240,15 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         return gguf_linear(x, weight.quantized, weight.bias, weight.batch_invariant)
     if weight.batch_invariant:
         return invariant_linear(x, weight.dense, weight.bias)
+    if weight.panels is not None:
+        rows = x.reshape(-1, x.shape[-1])
+        out = cpu_gemm.gemm(rows, weight.panels, weight.out_features, weight.bias)
+        if out is None:
+            return F.linear(x, unpack_linear(weight).to(x.dtype), weight.bias)
+        return out.view(*x.shape[:-1], weight.out_features)
     out = dense_linear_rows(x, weight.dense, weight.bias)
     if out is not None:
         return out
-    if weight.panels is not None:
-        out = cpu_gemm.gemm(x, weight.panels, weight.dense.shape[0], weight.bias)
-        if out is not None:
-            return out
     if weight.packed is not None:
         return cpu_onednn.linear(x, weight.packed, weight.bias)
     return F.linear(x, weight.dense, weight.bias)

@@ -11,21 +11,28 @@ from kernels.cpu.gguf_weight import GgufWeight
 
 
 class LinearWeight:
-    """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks replace it;
-    panels: dense packed for the native float32 GEMM (kernels/cpu/gemm.py), on CPUs where
-    it is the fastest; packed: oneDNN's blocked copy of dense, where that is (CPU);
+    """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks or panels
+    replace it; panels: the float32 weight packed for the native GEMM (kernels/cpu/gemm.py)
+    on CPUs where it is the fastest, then the only copy (every row count runs on it, and
+    out_features says how many of the padded columns are real); packed: oneDNN's blocked
+    copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);
     batch_invariant: every row runs the one kernel whose sums over `in` go in a fixed order,
     whatever the row count (never packed then)."""
 
     # Slots: dispatch.linear reads these ~120 times a decode step.
-    __slots__ = ("dense", "packed", "quantized", "bias", "panels", "batch_invariant")
+    __slots__ = ("dense", "packed", "quantized", "bias", "panels", "out_features",
+                 "batch_invariant")
 
     def __init__(self, dense: torch.Tensor | None, bias: torch.Tensor | None,
                  packed: torch.Tensor | None = None, quantized: GgufWeight | None = None,
-                 panels: torch.Tensor | None = None, batch_invariant: bool = False) -> None:
+                 panels: torch.Tensor | None = None, batch_invariant: bool = False,
+                 out_features: int | None = None) -> None:
         self.dense, self.bias, self.packed, self.quantized = dense, bias, packed, quantized
         self.panels, self.batch_invariant = panels, batch_invariant
+        self.out_features = (out_features if out_features is not None
+                             else quantized.out_features if quantized is not None
+                             else dense.shape[0])
 
     @property
     def kind(self) -> str:

@@ -135,6 +135,9 @@ def shard_model(net: nn.Module, group: ParallelGroup) -> HeadShard:
     config = net.config
     check_shardable(config, world)
     model = net.model
+    for module in net.modules():  # packing may have dropped the rows the slices cut
+        if isinstance(module, Linear):
+            module.unpack()
     first = model.layers[0].self_attn
     heads = head_shard(first.num_heads, first.num_kv_heads, world, rank)
     for layer in model.layers:

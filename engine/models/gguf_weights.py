@@ -97,7 +97,7 @@ def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
             continue
         weight = found[1]
         if kind.startswith(("attn_q", "attn_k")):
-            dense = model.get_submodule(name).weight
+            dense = model.get_submodule(name).dense_weight()
             sizes = model._shard_sizes("qkv_proj")
             start = sum(sizes[:position])
             heads = num_heads if position == 0 else num_kv_heads

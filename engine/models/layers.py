@@ -18,7 +18,8 @@ def empty_param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
 class Linear(nn.Module):
     """y = x W^T (+ b); W is [out, in], the layout HF checkpoints store. The parameters are
     what loading and sharding fill; `prepared` is what the matmul runs on (kernels.dispatch:
-    prepacked, or a GGUF-quantized copy, whose dense one is then dropped)."""
+    prepacked, native GEMM panels or a GGUF-quantized copy; for the last two the dense
+    parameter is then dropped: `unpack` restores it)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -28,16 +29,31 @@ class Linear(nn.Module):
         self.prepared: LinearWeight | None = None
 
     def prepack(self, batch_invariant: bool = False) -> None:
-        if self.weight is not None:
-            self.prepared = dispatch.prepare_linear(self.weight, self.bias, batch_invariant)
-        elif self.prepared is not None:  # GGUF blocks, prepared by quantize
-            self.prepared.batch_invariant = batch_invariant
+        if self.prepared is not None and self.prepared.quantized is not None:
+            self.prepared.batch_invariant = batch_invariant  # GGUF blocks, from quantize
+            return
+        self.unpack()
+        self.prepared = dispatch.prepare_linear(self.weight, self.bias, batch_invariant)
+        if self.prepared.dense is None:  # packed panels, now the only copy of W
+            self.weight = None
+
+    def unpack(self) -> None:
+        """Give the layer its dense [out, in] parameter back (bit-exact) if packing dropped
+        it, for what edits weights after loading (tensor-parallel sharding)."""
+        if self.weight is None and self.prepared is not None and self.prepared.panels is not None:
+            self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
+            self.prepared = None
 
     def quantize(self, weight: GgufWeight) -> None:
         if (weight.out_features, weight.in_features) != tuple(self.weight.shape):
             raise ValueError(f"quantization: weight of shape {(weight.out_features, weight.in_features)} "
                              f"for a layer of {tuple(self.weight.shape)}")
         self.prepared, self.weight = dispatch.prepare_linear(weight, self.bias), None
+
+    def dense_weight(self) -> torch.Tensor:
+        """[out, in] as loaded, also once packing dropped the parameter (unpacked, bit-exact;
+        GGUF layers have no exact dense copy)."""
+        return self.weight if self.weight is not None else dispatch.unpack_linear(self.prepared)
 
     def kernel_weight(self) -> LinearWeight:
         return self.prepared or LinearWeight(self.weight, self.bias)

@@ -50,6 +50,12 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return panels
 
 
+def unpack(panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out, in] float32 weight that `pack` was given, bit for bit (re-sharding and
+    fallbacks: serving keeps only the panels)."""
+    return panels.transpose(1, 2).reshape(-1, panels.shape[1])[:out_features].contiguous()
+
+
 def gemm(x: torch.Tensor, panels: torch.Tensor, out_features: int,
          bias: torch.Tensor | None) -> torch.Tensor | None:
     """x [rows, in] float32 times the packed weight (+ bias [out] float32) -> [rows, out],

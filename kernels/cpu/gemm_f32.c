@@ -1,6 +1,7 @@
-/* y = x W^T (+ bias) in float32 for batches (3 rows up to long prefill chunks), with W
- * packed once at load into 16-column panels: panel p holds columns 16p..16p+15 as [k][16]
- * (the last panel zero-padded).
+/* y = x W^T (+ bias) in float32 for any row count (a decode step's one row up to long
+ * prefill chunks), with W packed once at load into 16-column panels: panel p holds
+ * columns 16p..16p+15 as [k][16] (the last panel zero-padded). The panels are the only
+ * copy of W that serving keeps (kernels/cpu/gemm.py unpack gives the rows back).
  *
  * Why: on a 2-core AVX2 EPYC (Zen 2) oneDNN's prepacked fp32 GEMM ran SmolLM2's layers at
  * 40-48 GFLOP/s a core for 64 rows, and pads every row count to a bucket; this register
@@ -109,12 +110,108 @@ static void tile(const float *a, int64_t k, const float *b, const float *bias, f
     }
 }
 
+enum { FEW_PANELS = 6 };
+
+/* One or two rows (a decode step's) against np <= 6 / rows panels from p0 on: still 12
+ * accumulators, so the FMA latency hides behind the other outputs' chains while each
+ * output keeps its one chain over k (the bits the 6-row tile gives the same row). Weights
+ * stream once at memory speed, as the fused decode step needs; the 6-row tile would
+ * repeat a single row six times. */
+static void few_rows_tile(const float *a, int64_t k, const float *panels, int64_t p0, int np,
+                          int rows, const float *bias, float *y, int64_t n) {
+    float out[2][FEW_PANELS * NR];
+    const int64_t stride = k * NR;
+    const float *b[FEW_PANELS];
+    for (int j = 0; j < FEW_PANELS; j++)  /* a short group repeats its last panel */
+        b[j] = panels + (p0 + (j < np ? j : np - 1)) * stride;
+#if defined(__AVX2__) && defined(__FMA__)
+    if (rows == 1) {
+        const float *b0 = b[0], *b1 = b[1], *b2 = b[2], *b3 = b[3], *b4 = b[4], *b5 = b[5];
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00;
+        __m256 c21 = c00, c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
+        for (int64_t i = 0; i < k; i++) {
+            const __m256 x = _mm256_broadcast_ss(a + i);
+            const int64_t o = i * NR;
+            c00 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b0 + o), c00);
+            c01 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b0 + o + 8), c01);
+            c10 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b1 + o), c10);
+            c11 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b1 + o + 8), c11);
+            c20 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b2 + o), c20);
+            c21 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b2 + o + 8), c21);
+            c30 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b3 + o), c30);
+            c31 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b3 + o + 8), c31);
+            c40 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b4 + o), c40);
+            c41 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b4 + o + 8), c41);
+            c50 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b5 + o), c50);
+            c51 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b5 + o + 8), c51);
+        }
+        _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
+        _mm256_storeu_ps(out[0] + 16, c10), _mm256_storeu_ps(out[0] + 24, c11);
+        _mm256_storeu_ps(out[0] + 32, c20), _mm256_storeu_ps(out[0] + 40, c21);
+        _mm256_storeu_ps(out[0] + 48, c30), _mm256_storeu_ps(out[0] + 56, c31);
+        _mm256_storeu_ps(out[0] + 64, c40), _mm256_storeu_ps(out[0] + 72, c41);
+        _mm256_storeu_ps(out[0] + 80, c50), _mm256_storeu_ps(out[0] + 88, c51);
+    } else {
+        const float *b0 = b[0], *b1 = b[1], *b2 = b[2], *a1 = a + k;
+        __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00, c04 = c00;
+        __m256 c05 = c00, c10 = c00, c11 = c00, c12 = c00, c13 = c00, c14 = c00, c15 = c00;
+        for (int64_t i = 0; i < k; i++) {
+            const int64_t o = i * NR;
+            const __m256 w0 = _mm256_loadu_ps(b0 + o), w1 = _mm256_loadu_ps(b0 + o + 8);
+            const __m256 w2 = _mm256_loadu_ps(b1 + o), w3 = _mm256_loadu_ps(b1 + o + 8);
+            const __m256 w4 = _mm256_loadu_ps(b2 + o), w5 = _mm256_loadu_ps(b2 + o + 8);
+            __m256 x = _mm256_broadcast_ss(a + i);
+            c00 = _mm256_fmadd_ps(x, w0, c00), c01 = _mm256_fmadd_ps(x, w1, c01);
+            c02 = _mm256_fmadd_ps(x, w2, c02), c03 = _mm256_fmadd_ps(x, w3, c03);
+            c04 = _mm256_fmadd_ps(x, w4, c04), c05 = _mm256_fmadd_ps(x, w5, c05);
+            x = _mm256_broadcast_ss(a1 + i);
+            c10 = _mm256_fmadd_ps(x, w0, c10), c11 = _mm256_fmadd_ps(x, w1, c11);
+            c12 = _mm256_fmadd_ps(x, w2, c12), c13 = _mm256_fmadd_ps(x, w3, c13);
+            c14 = _mm256_fmadd_ps(x, w4, c14), c15 = _mm256_fmadd_ps(x, w5, c15);
+        }
+        _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
+        _mm256_storeu_ps(out[0] + 16, c02), _mm256_storeu_ps(out[0] + 24, c03);
+        _mm256_storeu_ps(out[0] + 32, c04), _mm256_storeu_ps(out[0] + 40, c05);
+        _mm256_storeu_ps(out[1], c10), _mm256_storeu_ps(out[1] + 8, c11);
+        _mm256_storeu_ps(out[1] + 16, c12), _mm256_storeu_ps(out[1] + 24, c13);
+        _mm256_storeu_ps(out[1] + 32, c14), _mm256_storeu_ps(out[1] + 40, c15);
+    }
+#else
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < np * NR; j++) {
+            const float *col = b[j / NR] + j % NR;
+            float s = 0.f;
+            for (int64_t i = 0; i < k; i++) s = __builtin_fmaf(a[r * k + i], col[i * NR], s);
+            out[r][j] = s;
+        }
+#endif
+    for (int r = 0; r < rows; r++)
+        for (int j = 0; j < np; j++) {
+            const int64_t c0 = (p0 + j) * NR;
+            const int cols = n - c0 < NR ? (int)(n - c0) : NR;
+            float *dst = y + r * n + c0;
+            for (int c = 0; c < cols; c++) dst[c] = out[r][j * NR + c] + (bias ? bias[c0 + c] : 0.f);
+        }
+}
+
 /* x [m, k], panels from gemm_f32_pack (n columns), bias [n] or NULL -> y [m, n]. Rows go
  * in chunks whose x slice stays in L2 (~512 KiB) while every panel passes over it; each
  * panel (k * 64 bytes) stays in L1/L2 while the chunk's tiles use it. */
 void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
               const float *bias, float *y, int num_threads) {
     const int64_t num_panels = (n + NR - 1) / NR;
+    if (m <= 0) return;
+    if (m <= 2) {
+        const int per = FEW_PANELS / (int)m;
+        const int64_t groups = (num_panels + per - 1) / per;
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= 32768)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * per;
+            const int np = num_panels - p0 < per ? (int)(num_panels - p0) : per;
+            few_rows_tile(x, k, panels, p0, np, (int)m, bias, y, n);
+        }
+        return;
+    }
     int64_t chunk = (512 * 1024 / (int64_t)sizeof(float)) / (k > 0 ? k : 1);
     chunk = chunk < MR ? MR : chunk - chunk % MR;
     #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)

@@ -39,12 +39,14 @@ def test_invariant_linear_rows_are_bit_equal_for_any_row_count(dtype):
 
 def test_default_linear_rounds_differently_across_row_counts():
     """Why the mode exists: by default few rows take the native row kernel and more take
-    oneDNN / torch's GEMM, whose sums go in another order (float32, k = 576 as SmolLM2)."""
+    oneDNN / torch's GEMM, whose sums go in another order (float32, k = 576 as SmolLM2).
+    Where float32 weights are GEMM panels (AVX2 builds) every row count runs the one FMA
+    chain per output, so there the default is already invariant."""
     x, weight, bias = _x_and_weight(torch.float32, k=576, n=64, rows=16, seed=2)
     default = dispatch.prepare_linear(weight, bias)
     alone = torch.cat([dispatch.linear(x[r:r + 1], default) for r in range(x.shape[0])])
     batched = dispatch.linear(x, default)
-    assert not torch.equal(alone, batched)
+    assert torch.equal(alone, batched) == (default.kind == "panels")
     invariant = dispatch.prepare_linear(weight, bias, batch_invariant=True)
     alone = torch.cat([dispatch.linear(x[r:r + 1], invariant) for r in range(x.shape[0])])
     assert torch.equal(alone, dispatch.linear(x, invariant))

@@ -40,7 +40,9 @@ def test_hf_folder_facts(tiny_dir):
     hf_state = load_file(tiny_dir / "model.safetensors")
     attn = loaded.model.model.layers[1].self_attn
     expected_qkv = torch.cat([hf_state[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
-    assert torch.equal(attn.qkv_proj.weight, expected_qkv)
+    assert torch.equal(attn.qkv_proj.dense_weight(), expected_qkv)
+    # where float32 weights become the native GEMM's panels, those are the only copy
+    assert (attn.qkv_proj.weight is None) == (attn.qkv_proj.prepared.kind == "panels")
     assert not loaded.model.tie_word_embeddings
     assert torch.equal(loaded.model.lm_head_weight, hf_state["lm_head.weight"])
 
@@ -80,7 +82,7 @@ def test_auto_dtype_loads_on_this_cpu(tiny_dir):
     loaded = load_model(tiny_dir, "auto")
     expected = torch.bfloat16 if features.native_bf16 else torch.float32
     assert loaded.dtype == expected
-    assert loaded.model.model.layers[0].mlp.gate_up_proj.weight.dtype == expected
+    assert loaded.model.model.layers[0].mlp.gate_up_proj.dense_weight().dtype == expected
     assert loaded.kv_cache_bytes_per_token() == 2 * 2 * 2 * 16 * expected.itemsize
 
 

@@ -21,7 +21,7 @@ def _operands(rows, out_features, in_features, seed=0):
 
 
 @pytest.mark.parametrize("rows, out_features, in_features",
-                         [(1, 1, 1), (3, 15, 5), (6, 16, 64), (7, 17, 64), (13, 40, 577),
+                         [(1, 1, 1), (1, 200, 96), (2, 200, 96), (2, 17, 577), (3, 15, 5), (6, 16, 64), (7, 17, 64), (13, 40, 577),
                           (64, 200, 96)])
 def test_gemm_matches_float64_math(rows, out_features, in_features):
     x, weight, bias = _operands(rows, out_features, in_features)
@@ -51,6 +51,25 @@ def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
         torch.set_num_threads(threads)
     assert torch.equal(batch, single)
     assert torch.equal(batch[5:], shifted)
+
+
+def test_one_and_two_row_calls_give_the_batch_tiles_bits():
+    """The decode step's rows (the 1- and 2-row tiles, 6 or 3 panels at a time, a short last
+    group) against the same rows inside a 6-row tile, on 1 and 2 threads."""
+    x, weight, bias = _operands(12, 200, 96, seed=5)
+    panels = cpu_gemm.pack(weight)
+    batch = cpu_gemm.gemm(x, panels, 200, bias)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            for i in range(0, 12, 2):
+                assert torch.equal(cpu_gemm.gemm(x[i:i + 2], panels, 200, bias), batch[i:i + 2])
+                assert torch.equal(cpu_gemm.gemm(x[i + 1:i + 2], panels, 200, bias),
+                                   batch[i + 1:i + 2])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(cpu_gemm.unpack(panels, 200), weight)
 
 
 def test_other_dtypes_and_shapes_are_declined():
