@@ -26,7 +26,8 @@ ENV_VAR = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _NOT_FOUND = ("folder does not exist", "no adapter_config.json", "no adapter_model.safetensors")
 PROBE_PROMPT = "Hi"
 
-# (name, folder) -> None, or the APIError the `llm` model's one-token run raised.
+# Awaited with (name, folder): returns once the adapter ran, or raises the APIError the
+# `llm` model answered.
 Probe = Callable[[str, str], Awaitable[None]]
 
 
