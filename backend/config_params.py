@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
-from backend.model_json import ModelJson
+from backend.model_json import ALLOW_RUNTIME_LORA_UPDATING, ModelJson
 from engine.config import EngineConfig
 from engine.values import convert
 
@@ -27,6 +27,9 @@ class BackendOptions:
     enable_health_check: bool = False
     # With enable_lora, instead of multi_lora.json: vLLM's `name=path` entries, spaces apart.
     lora_modules: str = ""
+    # With enable_lora, requests may name an adapter folder (lora_path) beside lora_name
+    # (backend/lora_catalog.py); off: clients cannot make the server read arbitrary paths.
+    allow_runtime_lora_updating: bool = False
 
 
 # config.pbtxt key -> BackendOptions field; every number among them must be >= 0.
@@ -37,6 +40,7 @@ _BACKEND_KEYS = {
     "MAX_QUEUE_LEN": "max_queue_len",
     "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
     "lora_modules": "lora_modules",
+    ALLOW_RUNTIME_LORA_UPDATING: "allow_runtime_lora_updating",
 }
 _OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}
 
@@ -69,6 +73,10 @@ def split_parameters(params: Mapping[str, str], model_json: ModelJson | None = N
     if model_json.ignored:
         log(f"model.json: accepted and ignored (no effect in this engine): "
             f"{', '.join(model_json.ignored)}")
+    if ALLOW_RUNTIME_LORA_UPDATING not in params:
+        options.allow_runtime_lora_updating = model_json.allow_runtime_lora_updating
+    if options.allow_runtime_lora_updating and not config.lora.enable_lora:
+        raise ValueError(f"{ALLOW_RUNTIME_LORA_UPDATING} needs enable_lora=true")
     # As in vllm_backend: REPORT_CUSTOM_METRICS and not disable_log_stats.
     options.report_custom_metrics = options.report_custom_metrics and not model_json.disable_log_stats
     return config, options

@@ -16,6 +16,7 @@ from backend.engine_loop import EngineLoop
 from backend.instance import place_instance
 from backend.inflight import Inflight
 from backend.metrics import NullMetrics, TritonMetrics
+from backend.lora_catalog import LoRACatalog
 from backend.model_json import read_model_json
 from backend.multi_lora import read_multi_lora, resolve_lora_name
 from backend.request_parsing import InvalidRequest
@@ -44,8 +45,11 @@ class EngineModel:
         # As vllm_backend: enable_lora needs multi_lora.json (adapter name -> folder).
         if self.options.lora_modules and not engine_config.lora.enable_lora:
             raise ValueError("parameter 'lora_modules' needs enable_lora=true")
-        self.lora_adapters = (read_multi_lora(version_dir, self.options.lora_modules)
-                              if engine_config.lora.enable_lora else None)
+        runtime = self.options.allow_runtime_lora_updating
+        # Adapters loaded at run time may be the only ones: multi_lora.json is optional then.
+        self.lora_catalog = (LoRACatalog(read_multi_lora(version_dir, self.options.lora_modules,
+                                                         required=not runtime), runtime)
+                             if engine_config.lora.enable_lora else None)
         self.input_names = triton_io.input_names(config)
         from engine import LLMEngine  # heavy (torch); after the cheap checks
 
@@ -104,19 +108,24 @@ class EngineModel:
         dropped again and reloaded on demand)."""
         engine = engine_cls(config, faults=faults)
         try:
-            for adapter in (self.lora_adapters or {}).values():
+            configured = {} if self.lora_catalog is None else self.lora_catalog.configured
+            for adapter in configured.values():
                 engine.lora.adapter(adapter)
         except BaseException:
             engine.close()
             raise
         return engine
 
-    def lora_request(self, lora_name: str):
-        """The adapter a request's lora_name selects; InvalidRequest naming it if none.
-        An adapter dropped past max_cpu_loras has its files read here, on Triton's
-        thread, so the engine thread only builds its tensors."""
+    def lora_request(self, lora_name: str, lora_path: str | None = None):
+        """The adapter a request's lora_name (and lora_path, where the model allows
+        runtime adapters) selects; InvalidRequest naming the field if none. An adapter not
+        loaded (a new runtime one, or one dropped past max_cpu_loras) has its files read
+        here, on Triton's thread, so the engine thread only builds its tensors; a bad
+        folder is then refused by add_request, alone (INVALID_ARG naming the adapter)."""
         try:
-            adapter = resolve_lora_name(self.lora_adapters, lora_name)
+            if self.lora_catalog is None:
+                resolve_lora_name(None, lora_name)  # raises: LoRA is off on this model
+            adapter = self.lora_catalog.resolve(lora_name, lora_path)
         except ValueError as exc:
             raise InvalidRequest(str(exc)) from None
         self.engine.lora.stage(adapter)

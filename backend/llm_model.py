@@ -31,7 +31,8 @@ class LLMModel(EngineModel):
                                            add_special_tokens=parsed.add_special_tokens)
         # Likewise the grammar (tens of ms cold): the engine thread then finds it cached.
         compile_structured_output(self.engine.grammar_compiler, parsed.params)
-        lora = None if parsed.lora_name is None else self.lora_request(parsed.lora_name)
+        lora = (None if parsed.lora_name is None
+                else self.lora_request(parsed.lora_name, parsed.lora_path))
         builder = LLMResponseBuilder(parsed, decode_token=self._decode_token)
         return Inflight(request_id, prompt_ids, parsed.params, sender, builder.build, arrival,
                         parsed.priority, lora_request=lora, tenant=parsed.tenant)

@@ -21,6 +21,7 @@ from engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
 from engine.values import to_bool
 
 FILE_NAME = "model.json"
+ALLOW_RUNTIME_LORA_UPDATING = "allow_runtime_lora_updating"
 _OWN_NAMES = frozenset(f.name for cls in (EngineConfig, SchedulerConfig, CacheConfig, LoRAConfig)
                        for f in dataclasses.fields(cls)) - {"scheduler", "cache", "lora"}
 
@@ -31,6 +32,9 @@ class ModelJson:
     # This engine's argument names (EngineConfig.from_dict) -> model.json values.
     engine_args: dict[str, Any] = field(default_factory=dict)
     disable_log_stats: bool = False
+    # Not a vLLM engine argument (vLLM reads VLLM_ALLOW_RUNTIME_LORA_UPDATING from its
+    # environment): the backend option of that name (backend/config_params.py).
+    allow_runtime_lora_updating: bool = False
     # What was accepted but changes nothing, for the load log.
     ignored: list[str] = field(default_factory=list)
 
@@ -61,6 +65,8 @@ def parse_model_json(data: Any) -> ModelJson:
             _take_engine_arg(out, key, value)
         elif key == vllm.DISABLE_LOG_STATS:
             out.disable_log_stats = value is not None and to_bool(_named(key), value)
+        elif key == ALLOW_RUNTIME_LORA_UPDATING:
+            out.allow_runtime_lora_updating = value is not None and to_bool(_named(key), value)
         elif key in vllm.NO_EFFECT:
             out.ignored.append(key)
         elif key in vllm.UNSUPPORTED:
@@ -100,7 +106,7 @@ def _same(value: Any, allowed: Any) -> bool:
 
 
 def _suggestion(key: str) -> str:
-    known = [*vllm.RENAMED, *_OWN_NAMES, vllm.DISABLE_LOG_STATS,
+    known = [*vllm.RENAMED, *_OWN_NAMES, vllm.DISABLE_LOG_STATS, ALLOW_RUNTIME_LORA_UPDATING,
              *vllm.NO_EFFECT, *vllm.UNSUPPORTED]
     close = difflib.get_close_matches(key, known, n=1)
     return f"; did you mean {close[0]!r}?" if close else ""

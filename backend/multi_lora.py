@@ -12,18 +12,22 @@ from engine.lora.request import LoRARequest
 FILE_NAME = "multi_lora.json"
 
 
-def read_multi_lora(version_dir: Path, lora_modules: str = "") -> dict[str, LoRARequest]:
+def read_multi_lora(version_dir: Path, lora_modules: str = "",
+                    required: bool = True) -> dict[str, LoRARequest]:
     """Adapters by name, ids numbered from 1 in file order as vllm_backend numbers them,
     from multi_lora.json or else the config.pbtxt parameter `lora_modules` (vLLM's
     --lora-modules spelling: `name=path` entries separated by spaces). A relative folder is
     taken from the version folder. Raises ValueError naming the file (or the parameter)
-    and the offending entry; with neither, as vllm_backend refuses enable_lora without it."""
+    and the offending entry; with neither, as vllm_backend refuses enable_lora without it,
+    unless not `required` (adapters then come at run time: backend/lora_catalog.py)."""
     path = Path(version_dir) / FILE_NAME
     if path.is_file() and lora_modules:
         raise ValueError(f"adapters are given twice: by {path} and by the lora_modules "
                          "parameter; keep one")
     if lora_modules:
         where, data = "parameter 'lora_modules'", _modules_from_text(lora_modules)
+    elif not path.is_file() and not required:
+        return {}
     elif not path.is_file():
         raise ValueError(f"enable_lora is true but {path} does not exist (a JSON object "
                          "mapping each adapter name to its PEFT folder)")

@@ -69,6 +69,9 @@ class LLMRequest:
     add_special_tokens: bool = True
     # vllm_backend's per-request adapter (a multi_lora.json name); None: the base model.
     lora_name: str | None = None
+    # The adapter's PEFT folder, for a model that takes adapters at run time
+    # (backend/lora_catalog.py); None: lora_name is a configured adapter.
+    lora_path: str | None = None
     # Under policy=fair, whose share it counts against; None: the tenant "default".
     tenant: str | None = None
 
@@ -105,12 +108,13 @@ def parse_tenant(value: Any) -> str | None:
         raise InvalidRequest(str(exc)) from None
 
 
-def parse_lora_name(value: Any) -> str | None:
-    """vllm_backend reads lora_name out of sampling_parameters; null or absent: the base."""
+def parse_lora_name(value: Any, field: str = "lora_name") -> str | None:
+    """vllm_backend reads lora_name out of sampling_parameters; null or absent: the base.
+    (lora_path, beside it, is read the same way.)"""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
-        raise InvalidRequest(f"lora_name must be a non-empty string, got {value!r}")
+        raise InvalidRequest(f"{field} must be a non-empty string, got {value!r}")
     return value
 
 
@@ -242,9 +246,13 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
         priority = parse_priority(value)
     add_special = to_bool(_ADD_SPECIAL_TOKENS, sampling.get(_ADD_SPECIAL_TOKENS, True))
     lora_name = parse_lora_name(sampling.get("lora_name"))
+    lora_path = parse_lora_name(sampling.get("lora_path"), "lora_path")
+    if lora_path is not None and lora_name is None:
+        raise InvalidRequest("lora_path needs lora_name (the adapter's name)")
     tenant = parse_tenant(sampling.get("tenant"))
     params = parse_sampling_parameters(
-        sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS, "lora_name", "tenant"))
+        sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS, "lora_name",
+                          "lora_path", "tenant"))
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)
@@ -258,4 +266,4 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
         # Logprobs of the sampled token cost nothing extra; asking for them is implied.
         params.logprobs = 0
     return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special, lora_name,
-                      tenant)
+                      lora_path, tenant)

@@ -298,20 +298,53 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
                                 scale, cos_table, sin_table, final_norm)
 
 
+# Rows of one adapter's segment from which torch's matmuls (MKL's GEMM over all the rows)
+# beat the native kernel (four rows per pass over A and B^T), by dtype; None: never.
+# bench/bench_lora_dispatch.py, SmolLM2's four layers, one thread, avx2 (2026-12-02):
+# float32, one segment: torch 1.1-4x faster from 8 rows at ranks 8/16/64; a decode batch
+# over 4 adapters + base: native 1.0-1.8x faster for segments of 4-8 scattered rows at
+# ranks 8/16, torch 1.25-1.6x from 16. bf16: native 1.5-13x faster at every row count to
+# 4096 (torch's bf16 matmuls have no bf16 unit to run on here). Not measured on AVX-512.
+LORA_TORCH_MIN_ROWS: dict[torch.dtype, int | None] = {torch.float32: 16, torch.bfloat16: None}
+
+
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
              weights: SegmentWeights) -> None:
     """y[rows of segment g] += (x[rows of g] A_g^T) B_g^T in place: a step's LoRA update
     for one layer, every adapter group at once (kernels/lora_ops.py defines it).
     CUDA: the segmented Triton kernel; CPU: the native one (float32 / bf16, unit column
-    strides), else the torch path's shrink and expand per segment."""
+    strides) for segments shorter than LORA_TORCH_MIN_ROWS, torch's shrink and expand for
+    the longer ones (a long prefill's) and for what the native kernel does not take."""
     if x.is_cuda:
         if _triton_lora_fits(x, y, weights):
             from kernels.triton import lora as triton_lora
             triton_lora.lora_add(x, y, segments, weights)
             return
-    elif cpu_lora.lora_add(x, y, segments, weights):
-        return
+    else:
+        short, long = split_lora_segments(x, segments, weights)
+        if long is None:
+            if cpu_lora.lora_add(x, y, segments, weights):
+                return
+        else:
+            # A None weight is a segment the kernel skips: each side runs its own segments.
+            if short is not None and cpu_lora.lora_add(x, y, segments, short):
+                weights = long
     lora_ops.lora_add(x, y, segments, weights)
+
+
+def split_lora_segments(x: torch.Tensor, segments: LoRASegments, weights: SegmentWeights
+                        ) -> tuple[SegmentWeights | None, SegmentWeights | None]:
+    """(the native kernel's weights, torch's): each segment's weights on one side and None
+    on the other, by its row count against LORA_TORCH_MIN_ROWS; None for a side without
+    segments (long None: all are the native kernel's)."""
+    threshold = LORA_TORCH_MIN_ROWS.get(x.dtype)
+    if threshold is None or segments.max_rows < threshold:
+        return weights, None
+    sizes = segments.starts.diff().tolist()
+    is_long = [n >= threshold for n in sizes]
+    short = [None if big else w for w, big in zip(weights, is_long)]
+    long = [w if big else None for w, big in zip(weights, is_long)]
+    return (short if any(w is not None for w in short) else None), long
 
 
 def _triton_lora_fits(x: torch.Tensor, y: torch.Tensor, weights: SegmentWeights) -> bool:

@@ -62,6 +62,8 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
             continue
         a, b = ab
         if isinstance(rows, slice):
-            y[rows] += (x[rows] @ a.t()) @ b.t()
+            # Into y's rows in place: a [rows, out] temporary (50 MB for SmolLM2's gate_up
+            # at 4096 rows) made it 1.5-3.6x slower there (64-4096 rows, avx2, 1 thread).
+            y[rows].addmm_(x[rows] @ a.t(), b.t())
         else:
             y.index_add_(0, rows, (x.index_select(0, rows) @ a.t()) @ b.t())

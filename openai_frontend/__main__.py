@@ -64,6 +64,7 @@ def frontend_options(args: argparse.Namespace,
                      environ: Mapping[str, str] = os.environ) -> FrontendOptions:
     from backend.restricted_api import read_key
     from openai_frontend.auth import api_keys
+    from openai_frontend.runtime_lora import runtime_updating
     from openai_frontend.tool_calls import ToolCallConfig
 
     return FrontendOptions(
@@ -71,7 +72,8 @@ def frontend_options(args: argparse.Namespace,
         triton_admin_key=read_key(args.triton_admin_key, None, environ, "--triton-admin-key"),
         tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
         triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len,
-        lora_modules=tuple(getattr(args, "lora_modules", None) or ()))
+        lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
+        runtime_lora_updating=runtime_updating(environ))
 
 
 def main(argv: list[str] | None = None) -> None:

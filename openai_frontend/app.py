@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from openai_frontend import runtime_lora
 from openai_frontend.auth import ApiKeyMiddleware
 from openai_frontend.chat import render_chat
 from openai_frontend.errors import APIError, bad_request, model_not_found
@@ -22,6 +23,7 @@ from openai_frontend.mapping import chat_request, completion_request
 from openai_frontend.options import FrontendOptions
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import ChatFormat, CompletionFormat, OutputFormat
+from openai_frontend.served_adapters import ServedAdapters
 from openai_frontend.streaming import stream_response
 from openai_frontend.tokenization import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from openai_frontend.tool_calls import plan_tools
@@ -54,13 +56,13 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     if options.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=options.api_keys)
 
-    adapters = {module.name: module for module in options.lora_modules}
+    adapters = ServedAdapters(options.lora_modules)
 
     def model_card(name: str = served_model_name) -> dict[str, Any]:
         card = {"id": name, "object": "model", "created": created,
                 "owned_by": "triton-llm-engine", "root": model}
         if name in adapters:  # vLLM's adapter cards: the folder as root, the base as parent
-            adapter = adapters[name]
+            adapter = adapters.get(name)
             card.update(root=adapter.path, parent=adapter.base_model_name or served_model_name)
         return card
 
@@ -71,7 +73,7 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     def with_adapter(triton_request, name: str):
         """The adapter a model id names rides to Triton as vllm_backend's lora_name."""
         if name in adapters:
-            triton_request.sampling["lora_name"] = name
+            triton_request.sampling.update(adapters.sampling(name))
         return triton_request
 
     async def max_model_len(request: Request) -> int:
@@ -136,6 +138,11 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         if body.model is not None:
             check_model(body.model)
         return detokenize(tokenizer, body)
+
+    if options.runtime_lora_updating:
+        log.warning("LoRA loading and unloading at run time is on (%s): any client may "
+                    "make the server read a folder", runtime_lora.ENV_VAR)
+        runtime_lora.install(app, adapters, served_model_name)
 
     @app.get("/version")
     async def version():

@@ -22,3 +22,6 @@ class FrontendOptions:
     max_model_len: int | None = None
     # --lora-modules: adapters served as model ids beside the base model.
     lora_modules: tuple[LoRAModule, ...] = ()
+    # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
+    # exist (openai_frontend/runtime_lora.py).
+    runtime_lora_updating: bool = False

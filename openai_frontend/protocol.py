@@ -1,4 +1,5 @@
-"""The request bodies of /v1/completions and /v1/chat/completions (OpenAI's names).
+"""The request bodies of /v1/completions and /v1/chat/completions (OpenAI's names), and of
+vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter (its names).
 
 Unknown fields are ignored with a warning in the log, as vLLM ignores them (its
 OpenAIBaseModel): agents and SDKs add fields of their own that no server can predict.
@@ -109,3 +110,16 @@ class ChatCompletionRequest(CommonFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+
+class LoadLoRAAdapterRequest(_Lenient):
+    lora_name: str
+    lora_path: str
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Lenient):
+    lora_name: str
+    # vLLM's field; the name alone selects the adapter there too.
+    lora_int_id: int | None = None

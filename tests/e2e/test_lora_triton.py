@@ -5,6 +5,8 @@ enable_lora / max_lora_rank and multi_lora.json beside it in the version folder.
   text, the same as the offline engine with that LoRARequest (the engine's own tests hold
   it to HF + peft); a bad name is refused INVALID_ARG naming it while the requests sent
   with it finish unharmed.
+- the OpenAI route: adapters as model ids (--lora-modules), and loaded / unloaded at run
+  time (/v1/load_lora_adapter, the model's allow_runtime_lora_updating).
 - ensemble: the TensorRT-LLM-style ensemble passes `lora_name` to the token model.
 - no_multi_lora / bad_rank: enable_lora without multi_lora.json, or an adapter above
   max_lora_rank, fail that model's load naming the file or the adapter."""
@@ -46,11 +48,18 @@ def lora_env(tmp_path_factory, tiny_model_dir):
     alpha = make_lora_adapter_dir(tiny_model_dir, weights / "alpha", seed=1, r=8)
     beta = make_lora_adapter_dir(tiny_model_dir, weights / "beta", seed=2, r=16,
                                  target_modules=("q_proj", "v_proj"))
+    # In no multi_lora.json: loaded at run time through the OpenAI route; and a folder
+    # that is no adapter (its weights file is not safetensors).
+    delta = make_lora_adapter_dir(tiny_model_dir, weights / "delta", seed=3, r=8)
+    broken = weights / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text((alpha / "adapter_config.json").read_text())
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
     repo = work / "models"
     base_json = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enforce_eager": "true"}
     _model(repo, "lora_model", {**base_json, "enable_lora": "true", "max_lora_rank": 16,
-                                "max_loras": 2}, {"alpha": str(alpha), "beta": str(beta)},
-           config=CONFIG + METRICS_ON)
+                                "max_loras": 2, "allow_runtime_lora_updating": True},
+           {"alpha": str(alpha), "beta": str(beta)}, config=CONFIG + METRICS_ON)
     _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
     _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
            {"alpha": str(alpha), "beta": str(beta)})
@@ -85,7 +94,8 @@ def lora_env(tmp_path_factory, tiny_model_dir):
     model_py.write_text("import os, sys\nsys.path[:0] = [p for p in os.environ.get('PYTHONPATH', '')"
                         ".split(os.pathsep) if p and p not in sys.path]\n" + model_py.read_text())
     with running_server(repo, work, timeout=300) as handle:
-        yield dict(server=handle, tiny=str(tiny_model_dir), alpha=str(alpha), beta=str(beta))
+        yield dict(server=handle, tiny=str(tiny_model_dir), alpha=str(alpha), beta=str(beta),
+                   delta=str(delta), broken=str(broken))
 
 
 @pytest.fixture(scope="module")
@@ -96,10 +106,11 @@ def expected(lora_env):
     llm = LLM(lora_env["tiny"], enable_lora=True, max_lora_rank=16, max_loras=2, **args)
     params = SamplingParams(temperature=0, max_tokens=12)
     loras = {None: None, "alpha": LoRARequest("alpha", 1, lora_env["alpha"]),
-             "beta": LoRARequest("beta", 2, lora_env["beta"])}
+             "beta": LoRARequest("beta", 2, lora_env["beta"]),
+             "delta": LoRARequest("delta", 3, lora_env["delta"])}
     texts = {name: llm.generate([PROMPT], params, use_tqdm=False, lora_request=lora)[0]
              .outputs[0].text for name, lora in loras.items()}
-    assert len(set(texts.values())) == 3  # each adapter changes the text
+    assert len(set(texts.values())) == 4  # each adapter changes the text
     return texts
 
 
@@ -180,8 +191,12 @@ def test_adapters_from_config_pbtxt_parameters(lora_env, expected):
         assert out.error is None and out.text == expected["beta"]
 
 
-def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected):
-    """vLLM's --lora-modules: /v1/models lists the base and the adapters, `model` picks one."""
+@pytest.fixture(scope="module")
+def openai_route(lora_env):
+    """lora_model loaded, and `python -m openai_frontend` over it with --lora-modules and
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING: (openai client, route url). One model load and one
+    route start for the route's two tests."""
+    import os
     import types
 
     import openai
@@ -196,22 +211,85 @@ def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected):
     with loaded(client, "lora_model"):
         process, url = start_frontend(shim, "--model", "lora_model", "--lora-modules",
                                       f"alpha={lora_env['alpha']}",
-                                      json.dumps({"name": "beta", "path": lora_env["beta"]}))
+                                      json.dumps({"name": "beta", "path": lora_env["beta"]}),
+                                      env={**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
         try:
-            api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-            cards = {m.id: m for m in api.models.list().data}
-            assert list(cards) == ["tiny-llama", "alpha", "beta"]
-            assert cards["alpha"].root == lora_env["alpha"]
-            assert cards["alpha"].parent == "tiny-llama"
-            for name in ("tiny-llama", "alpha", "beta"):
-                got = api.completions.create(model=name, prompt=PROMPT, max_tokens=12,
-                                             temperature=0)
-                assert got.model == name
-                assert got.choices[0].text == expected[None if name == "tiny-llama" else name]
-            with pytest.raises(openai.NotFoundError):
-                api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+            yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                timeout=120), url
         finally:
             stop_frontend(process)
+
+
+def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected, openai_route):
+    """vLLM's --lora-modules: /v1/models lists the base and the adapters, `model` picks one."""
+    import openai
+
+    api, _ = openai_route
+    cards = {m.id: m for m in api.models.list().data}
+    assert list(cards) == ["tiny-llama", "alpha", "beta"]
+    assert cards["alpha"].root == lora_env["alpha"]
+    assert cards["alpha"].parent == "tiny-llama"
+    for name in ("tiny-llama", "alpha", "beta"):
+        got = api.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert got.model == name
+        assert got.choices[0].text == expected[None if name == "tiny-llama" else name]
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
+
+
+def test_openai_route_loads_and_unloads_adapters_at_run_time(lora_env, expected, openai_route):
+    """vLLM's /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING on the route,
+    allow_runtime_lora_updating on the model): a folder in no multi_lora.json serves the
+    same text as the offline engine with that LoRARequest, bad folders are refused with
+    vLLM's errors while a stream on another adapter finishes unharmed, and after
+    /v1/unload_lora_adapter the name is gone."""
+    import openai
+
+    from tests.e2e.triton_clients import scrape_metrics, series_labels
+
+    api, url = openai_route
+    served = ["tiny-llama", "alpha", "beta"]
+
+    def load(name, path):
+        return requests.post(f"{url}/v1/load_lora_adapter", timeout=120,
+                             json={"lora_name": name, "lora_path": path})
+
+    loaded_now = load("delta", lora_env["delta"])
+    assert loaded_now.status_code == 200, loaded_now.text
+    assert loaded_now.text == "Success: LoRA adapter 'delta' added successfully."
+    assert [m.id for m in api.models.list().data] == [*served, "delta"]
+    got = api.completions.create(model="delta", prompt=PROMPT, max_tokens=12, temperature=0)
+    assert got.choices[0].text == expected["delta"]
+
+    with ThreadPoolExecutor(3) as pool:
+        stream = pool.submit(lambda: "".join(
+            chunk.choices[0].text for chunk in api.completions.create(
+                model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)))
+        missing = pool.submit(load, "ghost", "/nonexistent/ghost")
+        broken = pool.submit(load, "broken", lora_env["broken"])
+        assert stream.result() == expected["alpha"]
+        missing, broken = missing.result(), broken.result()
+    assert missing.status_code == 404, missing.text
+    assert missing.json()["error"] == {
+        "message": "Loading lora ghost failed: No adapter found for /nonexistent/ghost",
+        "type": "NotFoundError", "param": None, "code": 404}
+    assert broken.status_code == 500, broken.text
+    assert broken.json()["error"]["type"] == "InternalServerError"
+    assert "LoRA adapter 'broken'" in broken.json()["error"]["message"]
+    assert [m.id for m in api.models.list().data] == [*served, "delta"]
+
+    # The runtime adapter's requests show in vllm:lora_requests_info by name.
+    running = {name for key in scrape_metrics(lora_env["server"].metrics_url)
+               if series_labels(key)[0] == "vllm:lora_requests_info"
+               for name in series_labels(key)[1]["running_lora_adapters"].split(",")}
+    assert "delta" in running
+
+    gone = requests.post(f"{url}/v1/unload_lora_adapter", timeout=30, json={"lora_name": "delta"})
+    assert gone.status_code == 200
+    assert gone.text == "Success: LoRA adapter 'delta' removed successfully."
+    assert [m.id for m in api.models.list().data] == served
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="delta", prompt=PROMPT, max_tokens=2)
 
 
 def test_ensemble_clients_send_lora_name(lora_env, expected):

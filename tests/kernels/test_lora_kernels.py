@@ -115,3 +115,39 @@ def test_triton_kernel_matches_torch(dtype, shared):
     triton_lora.lora_add(x.to(device), got, make_segments(RUNS, device), on,
                          triton_lora.LoRATiles(block_m=16, block_k=16, block_n=16))
     torch.testing.assert_close(got.cpu(), expected, **TOLERANCE[dtype])
+
+
+@pytest.mark.skipif(cpu_lora._library() is None,
+                    reason="no C compiler: the torch path runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_sends_each_segment_to_its_side_of_the_row_threshold(monkeypatch, dtype):
+    """Below LORA_TORCH_MIN_ROWS a segment goes to the native kernel, from it on to torch;
+    a step with both (decodes beside a long prefill) splits, and every mix agrees with the
+    reference. bf16 has no threshold: its long segments stay native."""
+    threshold = dispatch.LORA_TORCH_MIN_ROWS[dtype]
+    short, long = (threshold - 1, threshold) if threshold else (15, 600)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(short + long, 40, generator=gen).to(dtype)
+    y = torch.randn(short + long, 24, generator=gen).to(dtype)
+    weights = [lora_layout((torch.randn(r, 40, generator=gen) * 0.3).to(dtype),
+                           (torch.randn(24, r, generator=gen) * 0.3).to(dtype)) for r in (8, 4)]
+    native_calls = []
+    real = cpu_lora.lora_add
+
+    def spy(x, y, segments, weights):
+        native_calls.append([w is not None for w in weights])
+        return real(x, y, segments, weights)
+
+    monkeypatch.setattr(cpu_lora, "lora_add", spy)
+    cases = {"short only": ([[(0, short)]], [[True]]),
+             "long only": ([[(short, short + long)]], [] if threshold else [[True]]),
+             "both": ([[(0, short)], [(short, short + long)]],
+                      [[True, False]] if threshold else [[True, True]])}
+    for name, (runs, expected_calls) in cases.items():
+        native_calls.clear()
+        segments = make_segments(runs)
+        got = y.clone()
+        dispatch.lora_add(x, got, segments, weights[:len(runs)])
+        assert native_calls == expected_calls, name
+        torch.testing.assert_close(got, _reference(x, y, segments, weights[:len(runs)]),
+                                   **TOLERANCE[dtype], msg=name)
