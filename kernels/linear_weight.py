@@ -16,7 +16,8 @@ class LinearWeight:
     it is the fastest; packed: oneDNN's blocked copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);
     batch_invariant: every row runs the one kernel whose sums over `in` go in a fixed order,
-    whatever the row count (never packed then)."""
+    whatever the row count (never oneDNN-packed then; float32 ones hold panels, which every
+    row count, one row included, runs through)."""
 
     # Slots: dispatch.linear reads these ~120 times a decode step.
     __slots__ = ("dense", "packed", "quantized", "bias", "panels", "batch_invariant")
@@ -29,16 +30,23 @@ class LinearWeight:
 
     @property
     def kind(self) -> str:
-        """"gguf", "panels" (the native GEMM), "onednn" (prepacked), "dense" or "invariant"
-        (dense, row kernel for any row count): the family dispatch.linear runs; within the
-        others the row count still picks (native rows for few, a dense GEMM for long chunks)."""
+        """"gguf", "panels" (the native GEMM), "onednn" (prepacked), "dense", "invariant"
+        (dense, row kernel for any row count) or "invariant-panels" (the native GEMM for any
+        row count): the family dispatch.linear runs; within the non-invariant ones the row
+        count still picks (native rows for few, a dense GEMM for long chunks)."""
         if self.batch_invariant and self.quantized is None:
-            return "invariant"
+            return "invariant" if self.panels is None else "invariant-panels"
         if self.quantized is not None:
             return "gguf"
         if self.panels is not None:
             return "panels"
         return "dense" if self.packed is None else "onednn"
+
+    @property
+    def rows_through_panels(self) -> bool:
+        """Whether every row count, one row included, runs the panels GEMM (batch-invariant
+        float32): the fused decode step must then run it too."""
+        return self.batch_invariant and self.panels is not None
 
     @property
     def table(self) -> torch.Tensor | GgufWeight:

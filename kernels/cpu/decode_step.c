@@ -8,8 +8,9 @@
  * serves every other case (batches, prefill, GPUs).
  *
  * Activations are float32 or bf16 (the model's dtype, one for the whole step); each
- * matmul is dense in that dtype (linear_f32_rows, linear_bf16_rows) or GGUF blocks
- * (linear_gguf). The caller keeps the descriptors and the scratch buffer.
+ * matmul is dense in that dtype (linear_f32_rows, linear_bf16_rows), float32 in the GEMM's
+ * panels (gemm_f32: batch-invariant mode, where one row takes the batches' kernel) or GGUF
+ * blocks (linear_gguf). The caller keeps the descriptors and the scratch buffer.
  */
 #include <stdint.h>
 #include <string.h>
@@ -47,14 +48,18 @@ void linear_f32_rows(const float *x, const float *w, const float *bias, float *y
                      int64_t n, int64_t k, int num_threads);
 int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                      int64_t m, int64_t n, int64_t k, int num_threads);
+void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
+              const float *bias, float *y, int num_threads);
 
 #define DENSE_F32 (-1)
 #define DENSE_BF16 (-2)
+#define PANELS_F32 (-3)
 
 /* Field order and types must match kernels/cpu/decode_step.py. */
 typedef struct {
-    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k], the step's dtype), else a GGUF id */
-    const void *weight;    /* dense weights, or the GGUF codes */
+    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k], the step's dtype), PANELS_F32
+                              (gemm_f32_pack's layout), else a GGUF id */
+    const void *weight;    /* dense weights, panels, or the GGUF codes */
     const float *scales;   /* GGUF only */
     const float *offsets;  /* GGUF Q4_1 only, else NULL */
     const void *bias;      /* [n] or NULL: the step's dtype, float32 beside GGUF blocks */
@@ -79,6 +84,10 @@ typedef struct {
 static int run_linear(const linear_t *lin, const void *x, void *y, int bf16, int num_threads) {
     if (lin->type == DENSE_F32) {
         linear_f32_rows(x, lin->weight, lin->bias, y, 1, lin->n, lin->k, num_threads);
+        return 0;
+    }
+    if (lin->type == PANELS_F32) {
+        gemm_f32(x, 1, lin->k, lin->weight, lin->n, lin->bias, y, num_threads);
         return 0;
     }
     if (lin->type == DENSE_BF16)

@@ -5,7 +5,8 @@ Python-level kernel calls a layer.
 The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
 cache); a step then passes the token's embedding, position, slot and block table.
 Applies on CPU to float32 or bf16 models (activations, norms, rope tables and KV cache
-in one dtype) with dense weights in that dtype or GGUF Q4_0/Q4_1/Q8_0 blocks; `plan`
+in one dtype) with dense weights in that dtype (in the GEMM's panels where dispatch runs
+every row count through them) or GGUF Q4_0/Q4_1/Q8_0 blocks; `plan`
 returns None otherwise and the caller keeps its own path.
 """
 from __future__ import annotations
@@ -67,6 +68,7 @@ class LayerWeights:
 
 # The dense weight types of decode_step.c's linear_t (GGUF blocks carry their type id).
 _DENSE = {torch.float32: -1, torch.bfloat16: -2}
+_PANELS_F32 = -3  # gemm_f32's panels, for weights whose single rows take the GEMM too
 
 
 def _cpu(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -83,6 +85,13 @@ def _linear(linear: LinearWeight, dtype: torch.dtype) -> _Linear | None:
                        n, k)
     if not _cpu(weight, dtype) or weight.dim() != 2 or not _cpu(bias, dtype):
         return None
+    if linear.rows_through_panels:  # batch-invariant float32: one row runs the GEMM's order
+        panels = linear.panels
+        if dtype != torch.float32 or not _cpu(panels, dtype):
+            return None
+        return _Linear(_PANELS_F32, panels.data_ptr(), None, None,
+                       None if bias is None else bias.data_ptr(), weight.shape[0],
+                       weight.shape[1])
     return _Linear(_DENSE[dtype], weight.data_ptr(), None, None,
                    None if bias is None else bias.data_ptr(), weight.shape[0], weight.shape[1])
 

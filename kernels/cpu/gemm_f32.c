@@ -11,8 +11,8 @@
  * its tile and whatever the row count or thread count: a row's result does not depend on
  * the rest of the batch. Threads split the panels (columns), never k.
  *
- * AVX2 + FMA intrinsics; elsewhere the same order in plain C (tests only: dispatch picks
- * this kernel where gemm_f32_preferred() says so).
+ * AVX2 + FMA intrinsics; elsewhere the same order in plain C (slow: dispatch picks this
+ * kernel where gemm_f32_preferred() says so, and in batch-invariant mode wherever it builds).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +25,16 @@
 #include "gguf_blocks.h"
 
 enum { NR = 16, MR = 6 };
+
+#if !(defined(__AVX2__) && defined(__FMA__))
+/* One output's FMA chain over k in order (b strided by a panel's width). Out of line, so
+ * that -ffast-math cannot vectorize it one way in the tile and another in row_tile. */
+__attribute__((noinline)) static float chain(const float *a, const float *b, int64_t k) {
+    float s = 0.f;
+    for (int64_t i = 0; i < k; i++) s = __builtin_fmaf(a[i], b[i * NR], s);
+    return s;
+}
+#endif
 
 /* Whether this build's kernel is the fastest fp32 GEMM here: AVX2 + FMA without AVX-512,
  * where it was measured; with AVX-512, oneDNN's 16-wide kernels are kept. */
@@ -94,11 +104,7 @@ static void tile(const float *a, int64_t k, const float *b, const float *bias, f
     _mm256_storeu_ps(out[5], c50), _mm256_storeu_ps(out[5] + 8, c51);
 #else
     for (int r = 0; r < rows; r++)
-        for (int j = 0; j < NR; j++) {
-            float s = 0.f;
-            for (int64_t i = 0; i < k; i++) s = __builtin_fmaf(a[r * k + i], b[i * NR + j], s);
-            out[r][j] = s;
-        }
+        for (int j = 0; j < NR; j++) out[r][j] = chain(a + r * k, b + j, k);
 #endif
     for (int r = 0; r < rows; r++) {
         float *dst = c + r * ldc;
@@ -109,12 +115,62 @@ static void tile(const float *a, int64_t k, const float *b, const float *bias, f
     }
 }
 
+enum { ROW_PANELS = 4 };
+
+/* One row of x times up to ROW_PANELS panels from b (panel p at b + p * k * NR) -> the
+ * row's outputs for those panels' columns (cols of them in all). A 6-row tile fed one row
+ * leaves 2 FMA chains waiting on each other's latency and does 6x the FMAs; 4 panels give
+ * 8 independent chains. Each output is still one FMA chain over k in order, so a row's
+ * bits equal the tile's (batch-invariant mode runs single rows through here). */
+static void row_tile(const float *a, int64_t k, const float *b, int panels, const float *bias,
+                     float *c, int64_t cols) {
+    float out[ROW_PANELS][NR];
+#if defined(__AVX2__) && defined(__FMA__)
+    /* Short groups repeat their first panel: same work, results dropped. */
+    const float *b0 = b, *b1 = b + (panels > 1 ? 1 : 0) * k * NR;
+    const float *b2 = b + (panels > 2 ? 2 : 0) * k * NR, *b3 = b + (panels > 3 ? 3 : 0) * k * NR;
+    __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00;
+    __m256 c20 = c00, c21 = c00, c30 = c00, c31 = c00;
+    for (int64_t i = 0; i < k; i++) {
+        const __m256 x = _mm256_broadcast_ss(a + i);
+        c00 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b0 + i * NR), c00);
+        c01 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b0 + i * NR + 8), c01);
+        c10 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b1 + i * NR), c10);
+        c11 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b1 + i * NR + 8), c11);
+        c20 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b2 + i * NR), c20);
+        c21 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b2 + i * NR + 8), c21);
+        c30 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b3 + i * NR), c30);
+        c31 = _mm256_fmadd_ps(x, _mm256_loadu_ps(b3 + i * NR + 8), c31);
+    }
+    _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
+    _mm256_storeu_ps(out[1], c10), _mm256_storeu_ps(out[1] + 8, c11);
+    _mm256_storeu_ps(out[2], c20), _mm256_storeu_ps(out[2] + 8, c21);
+    _mm256_storeu_ps(out[3], c30), _mm256_storeu_ps(out[3] + 8, c31);
+#else
+    for (int p = 0; p < panels; p++)
+        for (int j = 0; j < NR; j++) out[p][j] = chain(a, b + p * k * NR + j, k);
+#endif
+    const float *flat = out[0];
+    for (int64_t j = 0; j < cols; j++) c[j] = bias ? flat[j] + bias[j] : flat[j];
+}
+
 /* x [m, k], panels from gemm_f32_pack (n columns), bias [n] or NULL -> y [m, n]. Rows go
  * in chunks whose x slice stays in L2 (~512 KiB) while every panel passes over it; each
  * panel (k * 64 bytes) stays in L1/L2 while the chunk's tiles use it. */
 void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
               const float *bias, float *y, int num_threads) {
     const int64_t num_panels = (n + NR - 1) / NR;
+    if (m == 1) {
+        const int64_t groups = (num_panels + ROW_PANELS - 1) / ROW_PANELS;
+        #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= 65536)
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t p0 = g * ROW_PANELS, col0 = p0 * NR;
+            const int count = num_panels - p0 < ROW_PANELS ? (int)(num_panels - p0) : ROW_PANELS;
+            const int64_t cols = n - col0 < ROW_PANELS * NR ? n - col0 : ROW_PANELS * NR;
+            row_tile(x, k, panels + p0 * k * NR, count, bias ? bias + col0 : NULL, y + col0, cols);
+        }
+        return;
+    }
     int64_t chunk = (512 * 1024 / (int64_t)sizeof(float)) / (k > 0 ? k : 1);
     chunk = chunk < MR ? MR : chunk - chunk % MR;
     #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
