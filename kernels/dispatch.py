@@ -12,11 +12,13 @@ blocks) into a LinearWeight once (prepacked for oneDNN where that is faster), an
 few-row kernel, the native float32 GEMM (AVX2 hosts), oneDNN's prepacked GEMM, or F.linear.
 
 Batch-invariant mode (the engine's batch_invariant) takes the row count out of every
-choice: each matmul runs the native row kernel for any number of rows (each output's sum
-over `in` goes in the same fixed order; threads split the outputs, never the sum), GGUF
-weights the int8 kernel's one-row arithmetic, and attention runs every query token as a
-decode row (keys in block_size blocks in position order), so a token's values depend on
-its own row alone. Norms already run per row. kernels/torch_invariant.py covers the rest.
+choice: float32 matmuls run the native GEMM for any number of rows, one included, wherever
+it builds (each output is one FMA chain over `in` in order, whatever rows share its tile;
+threads split the columns, never the sum), bf16 ones the native row kernel (a fixed 8-wide
+order), GGUF weights the int8 kernel's one-row arithmetic, LoRA updates the native kernel's
+row-by-row sums, and attention runs every query token as a decode row (keys in block_size
+blocks in position order), so a token's values depend on its own row alone. Norms already
+run per row. kernels/torch_invariant.py covers what the native kernels decline.
 
 These run ~100 times per decode step, so each does one device test and one call: no
 allocation or feature detection of its own (cpu_native caches its library load). The
@@ -206,20 +208,24 @@ def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
                    batch_invariant: bool = False) -> LinearWeight:
     """A loaded layer's weight ([out, in] dense, or GGUF blocks) as `linear` runs it:
     dense float32 ones packed for the native GEMM where the build says it is the fastest
-    (cpu_gemm.preferred; the panels then replace the dense copy for every row count), else
-    prepacked for oneDNN where that is the faster CPU GEMM
-    (neither under `batch_invariant`: oneDNN picks its blocking by the row count, and the
-    row kernel serves one row in another order than the GEMM's tiles). Run once loading
-    (and sharding) is done: the packed copies do not track later edits."""
+    (cpu_gemm.preferred), else prepacked for oneDNN where that is the faster CPU GEMM.
+    Panels replace the dense copy, and every row count runs them (one row included).
+    `batch_invariant`: never oneDNN (it picks its blocking by the row count); float32
+    weights are packed for the native GEMM wherever it builds (each output one FMA chain
+    over `in` in order, whatever rows share its tile), bf16 ones stay dense for the row
+    kernel. Run once loading (and sharding) is done: the packed copies do not track later
+    edits."""
     if isinstance(weight, GgufWeight):  # the kernel adds a float32 bias
         return LinearWeight(None, None if bias is None else bias.float(), quantized=weight,
                             batch_invariant=batch_invariant)
-    if batch_invariant:
-        return LinearWeight(weight, bias, batch_invariant=True)
-    if weight.dtype == torch.float32 and weight.is_cpu and cpu_gemm.preferred():
+    if weight.dtype == torch.float32 and weight.is_cpu and (batch_invariant
+                                                             or cpu_gemm.preferred()):
         panels = cpu_gemm.pack(weight)
         if panels is not None:  # the only copy: every row count runs on it
-            return LinearWeight(None, bias, panels=panels, out_features=weight.shape[0])
+            return LinearWeight(None, bias, panels=panels, out_features=weight.shape[0],
+                                batch_invariant=batch_invariant)
+    if batch_invariant:
+        return LinearWeight(weight, bias, batch_invariant=True)
     return LinearWeight(weight, bias, packed=cpu_onednn.prepack(weight))
 
 
@@ -238,14 +244,17 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
     without prepare_linear (a model not yet loaded) runs unpacked."""
     if weight.quantized is not None:
         return gguf_linear(x, weight.quantized, weight.bias, weight.batch_invariant)
-    if weight.batch_invariant:
-        return invariant_linear(x, weight.dense, weight.bias)
     if weight.panels is not None:
         rows = x.reshape(-1, x.shape[-1])
         out = cpu_gemm.gemm(rows, weight.panels, weight.out_features, weight.bias)
-        if out is None:
-            return F.linear(x, unpack_linear(weight).to(x.dtype), weight.bias)
-        return out.view(*x.shape[:-1], weight.out_features)
+        if out is not None:
+            return out.view(*x.shape[:-1], weight.out_features)
+        dense = unpack_linear(weight).to(x.dtype)
+        if weight.batch_invariant:
+            return invariant_linear(x, dense, weight.bias)
+        return F.linear(x, dense, weight.bias)
+    if weight.batch_invariant:
+        return invariant_linear(x, weight.dense, weight.bias)
     out = dense_linear_rows(x, weight.dense, weight.bias)
     if out is not None:
         return out
@@ -256,9 +265,9 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None) -> torch.Tensor:
-    """x W^T + b with each row's sums in one fixed order for any row count: the native
-    row kernel (float32, bf16; it keeps 4 rows of W in L1 while every x row meets them,
-    so long chunks read W once), else torch one row at a time."""
+    """x W^T + b with each row's sums in one fixed order for any row count, for weights
+    without panels: the native row kernel (float32, bf16; it keeps 4 rows of W in L1 while
+    every x row meets them, so long chunks read W once), else torch one row at a time."""
     out = None
     if x.dim() == 2 and not x.is_cuda:
         if x.dtype == torch.bfloat16:
@@ -309,12 +318,18 @@ LORA_TORCH_MIN_ROWS: dict[torch.dtype, int | None] = {torch.float32: 16, torch.b
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
-             weights: SegmentWeights) -> None:
+             weights: SegmentWeights, batch_invariant: bool = False) -> None:
     """y[rows of segment g] += (x[rows of g] A_g^T) B_g^T in place: a step's LoRA update
     for one layer, every adapter group at once (kernels/lora_ops.py defines it).
     CUDA: the segmented Triton kernel; CPU: the native one (float32 / bf16, unit column
     strides) for segments shorter than LORA_TORCH_MIN_ROWS, torch's shrink and expand for
-    the longer ones (a long prefill's) and for what the native kernel does not take."""
+    the longer ones (a long prefill's) and for what the native kernel does not take.
+    `batch_invariant` (CPU): the native kernel for every segment, whose sums run each row
+    alone in a fixed order whatever rows share its segment, else torch one row at a time."""
+    if batch_invariant and not x.is_cuda:
+        if not cpu_lora.lora_add(x, y, segments, weights):
+            torch_invariant.lora_add(x, y, segments, weights)
+        return
     if x.is_cuda:
         if _triton_lora_fits(x, y, weights):
             from kernels.triton import lora as triton_lora

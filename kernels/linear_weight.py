@@ -13,12 +13,13 @@ from kernels.cpu.gguf_weight import GgufWeight
 class LinearWeight:
     """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks or panels
     replace it; panels: the float32 weight packed for the native GEMM (kernels/cpu/gemm.py)
-    on CPUs where it is the fastest, then the only copy (every row count runs on it, and
+    on CPUs where it is the fastest (and under batch_invariant), then the only copy (every row count runs on it, and
     out_features says how many of the padded columns are real); packed: oneDNN's blocked
     copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);
     batch_invariant: every row runs the one kernel whose sums over `in` go in a fixed order,
-    whatever the row count (never packed then)."""
+    whatever the row count (never oneDNN-packed then; float32 ones hold panels, which every
+    row count, one row included, runs through)."""
 
     # Slots: dispatch.linear reads these ~120 times a decode step.
     __slots__ = ("dense", "packed", "quantized", "bias", "panels", "out_features",
@@ -36,11 +37,12 @@ class LinearWeight:
 
     @property
     def kind(self) -> str:
-        """"gguf", "panels" (the native GEMM), "onednn" (prepacked), "dense" or "invariant"
-        (dense, row kernel for any row count): the family dispatch.linear runs; within the
-        others the row count still picks (native rows for few, a dense GEMM for long chunks)."""
+        """"gguf", "panels" (the native GEMM), "onednn" (prepacked), "dense", "invariant"
+        (dense, row kernel for any row count) or "invariant-panels" (the native GEMM for any
+        row count): the family dispatch.linear runs; within the non-invariant ones the row
+        count still picks (native rows for few, a dense GEMM for long chunks)."""
         if self.batch_invariant and self.quantized is None:
-            return "invariant"
+            return "invariant" if self.panels is None else "invariant-panels"
         if self.quantized is not None:
             return "gguf"
         if self.panels is not None:

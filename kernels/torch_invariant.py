@@ -10,13 +10,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import torch_ops
+from kernels import lora_ops, torch_ops
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b, one [1, in] GEMV per row."""
     rows = [F.linear(x[r:r + 1], weight, bias) for r in range(x.shape[0])]
     return torch.cat(rows) if rows else F.linear(x, weight, bias)
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, segments: lora_ops.LoRASegments,
+             weights: lora_ops.SegmentWeights) -> None:
+    """lora_ops.lora_add one row at a time: each row's shrink and expand are [1, in] and
+    [1, rank] products, whatever the segment's size."""
+    starts = segments.starts.tolist()
+    for g, ab in enumerate(weights):
+        if ab is None:
+            continue
+        a, b = ab
+        for row in segments.rows[starts[g]:starts[g + 1]].tolist():
+            y[row:row + 1] += (x[row:row + 1] @ a.t()) @ b.t()
 
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -56,7 +56,7 @@ class EngineConfig:
     data_parallel_rank: int = 0
     # vLLM's VLLM_BATCH_INVARIANT as an argument: a request's tokens and logprobs do not
     # depend on the rest of the batch, its chunking or prefix hits (kernels/dispatch.py
-    # picks kernels whose reduction order is fixed per row). CPU, one rank, no LoRA.
+    # picks kernels whose reduction order is fixed per row). CPU only.
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
@@ -87,12 +87,8 @@ class EngineConfig:
             self._check_batch_invariant()
 
     def _check_batch_invariant(self) -> None:
-        # The all-reduce sums ranks' partials in an order its chunking (the batch's size)
-        # decides, and the LoRA update runs torch matmuls sized by each adapter's rows.
-        if self.tensor_parallel_size > 1:
-            raise ValueError("batch_invariant is not supported with tensor_parallel_size > 1")
-        if self.lora.enable_lora:
-            raise ValueError("batch_invariant is not supported with enable_lora yet")
+        # Tensor parallelism (an all-reduce in rank order) and LoRA (the native update's
+        # row-by-row sums) keep a row's bits; the CUDA kernels have no invariant variants.
         if self.device.startswith("cuda"):
             raise ValueError("batch_invariant runs on the CPU only yet, got device "
                              f"{self.device!r}")

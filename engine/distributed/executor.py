@@ -88,9 +88,11 @@ class TensorParallelExecutor:
             target=run_worker, name=f"tle-tp-rank{rank}", daemon=True,
             args=(WorkerSpec(address, rank, model_dir, config.dtype, config.tokenizer,
                              num_threads, compute_timeout_s,
-                             config.lora if config.lora.enable_lora else None),))
+                             config.lora if config.lora.enable_lora else None,
+                             config.batch_invariant),))
             for rank in range(1, world)]
         self._workers = _Workers(processes, rendezvous_dir)
+        self.batch_invariant = config.batch_invariant
         self.failure: str | None = None
         # Also at interpreter exit or when the engine is garbage-collected unclosed.
         self._finalizer = weakref.finalize(self, self._workers.stop)
@@ -114,7 +116,8 @@ class TensorParallelExecutor:
 
         def join() -> None:
             try:
-                outcome["group"] = ParallelGroup(address, 0, timeout_s)
+                outcome["group"] = ParallelGroup(address, 0, timeout_s,
+                                                 fixed_sum_order=self.batch_invariant)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller below
                 outcome["error"] = exc
 
@@ -143,7 +146,7 @@ class TensorParallelExecutor:
 
     def shard(self, loaded):
         """This process's model cut down to rank 0's slices (see engine/distributed/sharding.py)."""
-        return shard_loaded(loaded, self.group)
+        return shard_loaded(loaded, self.group, self.batch_invariant)
 
     def start(self, setup: CacheSetup) -> None:
         """Tell the workers the KV pool and wait until each has its model and cache."""

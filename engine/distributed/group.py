@@ -35,12 +35,19 @@ class ParallelGroup:
     """Two process groups over the same ranks: `compute` (gloo on CPU, NCCL on CUDA)
     carries the forward's all-reduces and gathers with a bounded timeout; `steps` (gloo,
     host memory) carries rank 0's pickled step inputs, since NCCL moves only device
-    tensors and a worker must wait without limit for the next step."""
+    tensors and a worker must wait without limit for the next step.
+
+    `fixed_sum_order` (batch-invariant mode): all_reduce adds the ranks' partials in rank
+    order on every rank. A ring all-reduce adds each chunk's partials starting at another
+    rank and cuts the chunks by the tensor's size, which is the batch's: with 3 or more
+    ranks an element's sum would change its order with the batch."""
 
     def __init__(self, address: GroupAddress, rank: int,
-                 compute_timeout_s: float = COMPUTE_TIMEOUT_S) -> None:
+                 compute_timeout_s: float = COMPUTE_TIMEOUT_S,
+                 fixed_sum_order: bool = False) -> None:
         self.rank = rank
         self.world_size = address.world_size
+        self.fixed_sum_order = fixed_sum_order
         on_cuda = address.device.startswith("cuda")
         self.device = torch.device(f"cuda:{rank}") if on_cuda else torch.device("cpu")
         if on_cuda:
@@ -59,7 +66,14 @@ class ParallelGroup:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (a row-parallel layer's partial products)."""
         tensor = tensor.contiguous()  # gloo and NCCL reduce dense buffers only
-        dist.all_reduce(tensor, group=self.compute)
+        if not self.fixed_sum_order:
+            dist.all_reduce(tensor, group=self.compute)
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor, group=self.compute)
+        tensor.copy_(parts[0])
+        for part in parts[1:]:  # element-wise: each element's order is the ranks'
+            tensor += part
         return tensor
 
     def all_gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -128,9 +128,11 @@ class LogitsGather:
         return self.group.all_gather_columns(local_logits)[:, :self.vocab_size]
 
 
-def shard_model(net: nn.Module, group: ParallelGroup) -> HeadShard:
+def shard_model(net: nn.Module, group: ParallelGroup,
+                batch_invariant: bool = False) -> HeadShard:
     """Cut a loaded LlamaForCausalLM down to this rank's slices, in place, and re-pack
-    the smaller weights. Returns the rank's heads (the KV cache is sized from them)."""
+    the smaller weights (for batch-invariant kernels if asked). Returns the rank's heads
+    (the KV cache is sized from them)."""
     world, rank = group.world_size, group.rank
     config = net.config
     check_shardable(config, world)
@@ -145,7 +147,7 @@ def shard_model(net: nn.Module, group: ParallelGroup) -> HeadShard:
         _shard_mlp(layer.mlp, group)
     _shard_vocab(net, group)
     model.fused_single_decode = False  # its native plan runs the whole, unsharded layer
-    net.prepack()
+    net.prepack(batch_invariant)
     return heads
 
 
@@ -204,8 +206,8 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor.detach().clone().contiguous(), requires_grad=False)
 
 
-def shard_loaded(loaded, group: ParallelGroup):
+def shard_loaded(loaded, group: ParallelGroup, batch_invariant: bool = False):
     """shard_model on a LoadedModel; the returned copy reports this rank's heads, which
     is what the KV cache (and its size per token) is built from."""
-    heads = shard_model(loaded.model, group)
+    heads = shard_model(loaded.model, group, batch_invariant)
     return dataclasses.replace(loaded, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)

@@ -23,6 +23,8 @@ class WorkerSpec:
     num_threads: int
     compute_timeout_s: float
     lora: LoRAConfig | None = None  # enable_lora: this rank loads and shards the adapters
+    # the engine's batch_invariant: this rank's kernels and the all-reduce's order
+    batch_invariant: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +42,8 @@ def run_worker(spec: WorkerSpec) -> None:
     _exit_with_parent()
     if spec.address.device == "cpu":
         torch.set_num_threads(spec.num_threads)
-    group = ParallelGroup(spec.address, spec.rank, spec.compute_timeout_s)
+    group = ParallelGroup(spec.address, spec.rank, spec.compute_timeout_s,
+                          fixed_sum_order=spec.batch_invariant)
     try:
         _serve(spec, group)
     finally:
@@ -55,7 +58,7 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
 
     loaded = load_model(spec.model_dir, spec.dtype, tokenizer=spec.tokenizer,
                         device=str(group.device))
-    loaded = shard_loaded(loaded, group)
+    loaded = shard_loaded(loaded, group, spec.batch_invariant)
     setup = group.receive_step()
     if setup is None:  # rank 0 gave up before serving (e.g. its KV pool was refused)
         return

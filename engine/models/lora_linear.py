@@ -77,7 +77,9 @@ class LoRALinear(nn.Module):
             for modules in self.batch.modules:
                 module = modules.get(self.name)
                 weights.append(None if module is None else (module.a, module.b))
-            dispatch.lora_add(x, y, segments, weights)
+            # The base layer's kernels were chosen batch-invariant or not at load; the
+            # update follows them.
+            dispatch.lora_add(x, y, segments, weights, self.base.kernel_weight().batch_invariant)
         return y if partial is None else self.base.reduce(y)
 
 

@@ -1,12 +1,14 @@
 """batch_invariant end to end on a tiny random model: a request's tokens and logprobs are
 bit-identical run alone, in crowds of changing size, with its prompt chunked, with its
-prefix from the cache, and with or without the fused single-sequence decode step."""
+prefix from the cache, with or without the fused single-sequence decode step, and beside
+other LoRA adapters' and the base model's rows."""
 import pytest
 
 from backend.config_params import split_parameters
 from backend.model_json import parse_model_json
-from engine import LLM, EngineConfig, SamplingParams
+from engine import LLM, EngineConfig, LoRARequest, SamplingParams
 from kernels.cpu import linear as cpu_linear
+from testing.lora_adapter import make_lora_adapter_dir
 from testing.tiny_model import make_tiny_model_dir
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 2
@@ -47,6 +49,9 @@ def test_a_request_is_bit_identical_alone_crowded_chunked_and_cached(tiny, dtype
     solo = LLM(tiny, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=256,
                **COMMON)
     decoder = solo.llm_engine.runner.model.model
+    # float32: every row count, one row included, runs the native GEMM's panels
+    kind = "invariant-panels" if dtype == "float32" else "invariant"
+    assert decoder.layers[0].mlp.down_proj.prepared.kind == kind
     fused = _alone(solo)
     assert decoder._single_plan[1] is not None  # the fused step did run the decodes
     decoder.fused_single_decode = False
@@ -68,6 +73,31 @@ def test_a_request_is_bit_identical_alone_crowded_chunked_and_cached(tiny, dtype
     assert _results(again[:len(TARGETS)]) == fused
 
 
+@pytest.mark.skipif(not cpu_linear.available(), reason="needs the native kernels")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lora_rows_are_bit_identical_alone_and_mixed_with_other_adapters(tiny, dtype,
+                                                                       tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"inv-lora-{dtype}")
+    adapters = [None, LoRARequest("full", 1, str(make_lora_adapter_dir(tiny, root / "full",
+                                                                        seed=1, r=8))),
+                LoRARequest("qv", 2, str(make_lora_adapter_dir(
+                    tiny, root / "qv", seed=2, r=16, lora_alpha=8,
+                    target_modules=("q_proj", "v_proj", "down_proj"))))]
+    llm = LLM(tiny, dtype=dtype, enable_lora=True, max_loras=2, max_lora_rank=16,
+              max_num_batched_tokens=24, long_prefill_token_threshold=7, **COMMON)
+    cases = [(t, p, adapters[(i + j) % 3]) for i, (t, p) in enumerate(zip(TARGETS, TARGET_PARAMS))
+             for j in range(3)]
+    alone = [_results(llm.generate([t], p, use_tqdm=False, lora_request=lora))[0]
+             for t, p, lora in cases]
+    # each target under the base and both adapters: each adapter changes some tokens
+    ids = {(t, lora and lora.lora_name): got[0] for (t, _, lora), got in zip(cases, alone)}
+    for name in ("full", "qv"):
+        assert any(ids[t, name] != ids[t, None] for t in TARGETS), name
+    crowded = llm.generate([t for t, _, _ in cases], [p for _, p, _ in cases],
+                           use_tqdm=False, lora_request=[lora for _, _, lora in cases])
+    assert _results(crowded) == alone
+
+
 def test_the_argument_comes_from_every_source_and_refuses_what_it_cannot_pin():
     assert EngineConfig.from_dict({"batch_invariant": "true"}).batch_invariant is True
     assert EngineConfig().batch_invariant is False
@@ -75,7 +105,10 @@ def test_the_argument_comes_from_every_source_and_refuses_what_it_cannot_pin():
     assert config.batch_invariant is True
     from_json, _ = split_parameters({}, parse_model_json({"batch_invariant": True}))
     assert from_json.batch_invariant is True
-    for args, named in (({"tensor_parallel_size": 3}, "tensor_parallel_size"),
-                        ({"enable_lora": True}, "enable_lora"), ({"device": "cuda"}, "CPU")):
-        with pytest.raises(ValueError, match=named):
-            EngineConfig.from_dict({"batch_invariant": True, **args})
+    # tensor parallelism and LoRA keep a row's bits (tests/engine/distributed, above);
+    # CUDA's kernels have no invariant variants
+    for args in ({"tensor_parallel_size": 3}, {"enable_lora": True}):
+        assert EngineConfig.from_dict({"batch_invariant": True, **args}).batch_invariant
+    for device in ("cuda", "cuda:1"):
+        with pytest.raises(ValueError, match="batch_invariant runs on the CPU only"):
+            EngineConfig.from_dict({"batch_invariant": True, "device": device})

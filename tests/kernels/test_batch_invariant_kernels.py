@@ -4,7 +4,9 @@ import pytest
 import torch
 
 from kernels import dispatch, torch_invariant
+from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
+from kernels.lora_ops import lora_layout, make_segments
 from testing.gguf_weights import gguf_weight
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="needs the native kernels")
@@ -19,13 +21,18 @@ def _x_and_weight(dtype, k=579, n=37, rows=67, seed=0):
     return x, weight, bias
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_invariant_linear_rows_are_bit_equal_for_any_row_count(dtype):
-    """k = 579 leaves a tail past the 8-wide loop; float16 takes the torch row-by-row path."""
+@pytest.mark.parametrize("dtype, n", [(torch.float32, 37), (torch.float32, 80),
+                                      (torch.bfloat16, 37), (torch.float16, 37)])
+def test_invariant_linear_rows_are_bit_equal_for_any_row_count(dtype, n):
+    """k = 579 leaves a tail past the 8-wide loop; float32 runs the GEMM's panels (n = 80:
+    one row takes 6-panel groups, the last one short), bf16 the row kernel, float16 the
+    torch row-by-row path."""
     rows = 20 if dtype == torch.float16 else 67  # float16's torch GEMV is slow on CPUs
-    x, weight, bias = _x_and_weight(dtype, rows=rows)
+    x, weight, bias = _x_and_weight(dtype, n=n, rows=rows)
     prepared = dispatch.prepare_linear(weight, bias, batch_invariant=True)
-    assert prepared.kind == "invariant" and prepared.packed is None
+    panels = dtype == torch.float32 and cpu_gemm._library() is not None
+    assert prepared.kind == ("invariant-panels" if panels else "invariant")
+    assert prepared.packed is None and (prepared.panels is not None) == panels
     full = dispatch.linear(x, prepared)
     for m in (m for m in ROW_COUNTS if m <= rows):
         assert torch.equal(dispatch.linear(x[:m], prepared), full[:m]), m
@@ -35,6 +42,32 @@ def test_invariant_linear_rows_are_bit_equal_for_any_row_count(dtype):
     exact = x.double() @ weight.double().T + bias.double()
     tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0.1)
     torch.testing.assert_close(full.double(), exact, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_invariant_lora_rows_are_bit_equal_in_any_segment(dtype):
+    """Two adapters' segments (one split in two runs) and a base row between them: each
+    row's update equals the one it gets alone, natively and on the torch fallback."""
+    g = torch.Generator().manual_seed(8)
+    k, n = 100, 44  # tails past the kernel's 8-wide loops
+    x, base = torch.randn(11, k, generator=g).to(dtype), torch.randn(11, n, generator=g)
+    weights = [lora_layout(torch.randn(r, k, generator=g).to(dtype) / 4,
+                           torch.randn(n, r, generator=g).to(dtype) / 4) for r in (8, 3)]
+    segments = make_segments([[(0, 5), (8, 11)], [(5, 7)]])
+    adapter_of = {r: 0 for r in (*range(5), 8, 9, 10)} | {5: 1, 6: 1}
+    for add in (lambda *a: dispatch.lora_add(*a, batch_invariant=True),
+                torch_invariant.lora_add):
+        y = base.to(dtype, copy=True)
+        add(x, y, segments, weights)
+        assert torch.equal(y[7], base[7].to(dtype))  # no adapter: untouched
+        for row, adapter in adapter_of.items():
+            alone = base[row:row + 1].to(dtype, copy=True)
+            add(x[row:row + 1], alone, make_segments([[(0, 1)]]), [weights[adapter]])
+            assert torch.equal(alone, y[row:row + 1]), row
+        a, b = weights[0]
+        exact = base[:5].double() + (x[:5].double() @ a.double().T) @ b.double().T
+        tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)
+        torch.testing.assert_close(y[:5].double(), exact, **tol)
 
 
 def test_default_linear_rounds_differently_across_row_counts():

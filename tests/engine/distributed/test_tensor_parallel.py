@@ -15,11 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import LLM, SamplingParams
+from engine import LLM, LoRARequest, SamplingParams
 from engine.llm_engine import EngineStepError
 from engine.models.layers import Linear
 from engine.distributed.sharding import (LogitsGather, RowParallelLinear, VocabParallelEmbedding,
                                       head_shard, vocab_slice)
+from testing.lora_adapter import make_lora_adapter_dir
 from testing.tiny_model import make_tiny_model_dir
 
 pytestmark = pytest.mark.timeout(240)
@@ -200,6 +201,33 @@ def test_replicated_kv_head_tied_padded_vocab_then_a_killed_worker(tiny_one_kv_h
     finally:
         engine.close()
     assert not worker.is_alive()
+
+
+def test_batch_invariant_two_ranks_alone_equal_crowded_with_an_adapter(tiny_gqa, tmp_path):
+    """batch_invariant at TP 2: every rank's kernels are the mode's and the all-reduce adds
+    the ranks in rank order, so a request's tokens and logprobs are the same bits alone
+    and in a chunked, prefix-cached crowd of base and adapter rows."""
+    adapter = LoRARequest("a", 1, str(make_lora_adapter_dir(tiny_gqa, tmp_path / "a", seed=1)))
+    tp = LLM(tiny_gqa, dtype="float32", tensor_parallel_size=2, batch_invariant=True,
+             enable_lora=True, max_loras=1, max_lora_rank=8, block_size=8, num_kv_blocks=96,
+             max_model_len=160, max_num_batched_tokens=24, long_prefill_token_threshold=7,
+             max_num_seqs=8)
+    try:
+        assert tp.llm_engine._tensor_parallel.group.fixed_sum_order
+        prompts = [SYSTEM + p for p in PROMPTS[:3]] + PROMPTS[3:]
+        loras = [adapter if i % 2 else None for i in range(len(prompts))]
+
+        def results(outs):
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                     o.outputs[0].cumulative_logprob) for o in outs]
+
+        alone = [results(tp.generate([p], GREEDY, use_tqdm=False, lora_request=lora))[0]
+                 for p, lora in zip(prompts, loras)]
+        crowded = tp.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert results(crowded) == alone
+        assert tp.llm_engine.get_stats().prefix_cache_hits > 0
+    finally:
+        tp.llm_engine.close()
 
 
 def test_bad_tensor_parallel_size_is_refused_before_any_worker_starts(tiny_gqa):

@@ -21,8 +21,8 @@ def _operands(rows, out_features, in_features, seed=0):
 
 
 @pytest.mark.parametrize("rows, out_features, in_features",
-                         [(1, 1, 1), (1, 200, 96), (2, 200, 96), (2, 17, 577), (3, 15, 5), (6, 16, 64), (7, 17, 64), (13, 40, 577),
-                          (64, 200, 96)])
+                         [(1, 1, 1), (1, 70, 33), (1, 200, 96), (2, 200, 96), (2, 17, 577),
+                          (3, 15, 5), (6, 16, 64), (7, 17, 64), (13, 40, 577), (64, 200, 96)])
 def test_gemm_matches_float64_math(rows, out_features, in_features):
     x, weight, bias = _operands(rows, out_features, in_features)
     panels = cpu_gemm.pack(weight)
@@ -36,17 +36,18 @@ def test_gemm_matches_float64_math(rows, out_features, in_features):
 
 
 def test_a_rows_result_does_not_depend_on_the_batch_or_the_threads():
-    """Same row, same bits: alone, at every position of a 6-row tile, across the x chunks
-    (k = 2048: 64-row chunks) and on 1 or 2 threads."""
-    x, weight, bias = _operands(131, 40, 2048, seed=1)
+    """Same row, same bits: alone (one row takes 6-panel groups instead of the 6-row
+    tile; n = 88 leaves a short group and a short panel), at every position of a tile,
+    across the x chunks (k = 2048: 64-row chunks) and on 1 or 2 threads."""
+    x, weight, bias = _operands(131, 88, 2048, seed=1)
     panels = cpu_gemm.pack(weight)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        batch = cpu_gemm.gemm(x, panels, 40, bias)
+        batch = cpu_gemm.gemm(x, panels, 88, bias)
         torch.set_num_threads(1)
-        single = torch.cat([cpu_gemm.gemm(x[i:i + 1], panels, 40, bias) for i in range(131)])
-        shifted = cpu_gemm.gemm(x[5:], panels, 40, bias)
+        single = torch.cat([cpu_gemm.gemm(x[i:i + 1], panels, 88, bias) for i in range(131)])
+        shifted = cpu_gemm.gemm(x[5:], panels, 88, bias)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(batch, single)
