@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
 from testing.tiny_model import make_tiny_model_dir
 
@@ -72,13 +73,16 @@ def test_every_surviving_request_of_a_storm_is_bit_identical_to_its_alone_run(ti
     assert mismatched == []
     assert llm.llm_engine.scheduler.kv_cache_manager.prefix_cache_stats.hits > 0
 
-    # Without the mode the kernels follow the batch: the same storm stays right (greedy
-    # ties aside, its tokens are the alone run's) but differs in the last bits; on a 2-core
-    # AVX2 host all 20 survivors did (the row kernel alone, the GEMM in the crowd).
+    # Without the mode the kernels may follow the batch: the same storm stays right (greedy
+    # ties aside, its tokens are the alone run's) but may differ in the last bits. With the
+    # row kernel alone and the GEMM in the crowd all 20 survivors did; where float32 weights
+    # are the GEMM's panels (AVX2 builds) every row count runs one FMA chain per output, and
+    # the default storm came out bit-equal too.
     default = LLM(tiny, **ENGINE)
     reference = _alone(default)
     storm = _storm(default)
-    assert any(got != reference[i % len(PROMPTS)] for i, got in storm.items())
+    if not cpu_gemm.preferred():
+        assert any(got != reference[i % len(PROMPTS)] for i, got in storm.items())
     for i, (ids, logprobs, _) in storm.items():
         want_ids, want_logprobs, _ = reference[i % len(PROMPTS)]
         if PARAMS[i % len(PROMPTS)].temperature == 0:
