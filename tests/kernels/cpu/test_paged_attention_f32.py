@@ -25,9 +25,11 @@ SEQ_LENS = [7, 40, 33, 64, 1, 90, 12, 5]
 QUERY_LENS = [1, 40, 17, 31, 1, 1, 5, 0]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 4), (8, 1), (32, 2)])
-@pytest.mark.parametrize("head_dim", [64, 40, 128])
-@pytest.mark.parametrize("block_size", [1, 4, 16, 32])
+# GQA (SmolLM2's 9/3), MHA, MQA and groups of a whole tile; head_dim 40 runs the
+# kernel's generic width; block sizes below and above the 4-key score groups.
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16), (9, 3, 64, 1), (9, 3, 40, 4), (4, 4, 128, 32), (8, 1, 64, 16),
+    (32, 2, 128, 16), (32, 2, 40, 1), (6, 2, 64, 8)])
 def test_matches_dense_attention(num_heads, num_kv_heads, head_dim, block_size):
     batch = make_paged_batch(SEQ_LENS, QUERY_LENS, num_heads, num_kv_heads, head_dim,
                              block_size, seed=head_dim + block_size + num_heads)
