@@ -35,6 +35,7 @@ from kernels.cpu import linear as cpu_linear
 from kernels.cpu import lora as cpu_lora
 from kernels.cpu import native as cpu_native
 from kernels.cpu import onednn as cpu_onednn
+from kernels.cpu import paged_attention as cpu_attention
 from kernels import lora_ops, torch_invariant, torch_ops
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
@@ -72,9 +73,27 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return triton_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                           query_start_loc, seq_lens, scale, max_query_len,
                                           max_seq_len)
+    if query.dtype == torch.float32 and max_query_len > 1 and _chunks_fit_tiles(
+            query_start_loc, seq_lens, max_query_len, max_seq_len):
+        # Prefill chunks and the step's decode rows in one native call, in tiles of rows.
+        out = cpu_attention.paged_attention_f32(query, key_cache, value_cache, block_tables,
+                                                query_start_loc, seq_lens, scale)
+        if out is not None:
+            return out
     return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale, max_query_len,
                                      max_seq_len, decode=_cpu_decode)
+
+
+def _chunks_fit_tiles(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                      max_query_len: int, max_seq_len: int) -> bool:
+    # Past ROWS_MAX_WORK a chunk runs faster through SDPA's fused kernel: 156 vs 235 ms
+    # for one fresh 2048-token prompt, while the tiles took 61 vs 89 ms (4 x 512 tokens)
+    # against the decode kernel's rows (SmolLM2 shapes, 1 thread, AVX2 EPYC).
+    if max_query_len * max_seq_len <= torch_ops.ROWS_MAX_WORK:
+        return True
+    work = (query_start_loc[1:] - query_start_loc[:-1]).long() * seq_lens.long()
+    return int(work.max()) <= torch_ops.ROWS_MAX_WORK
 
 
 def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):

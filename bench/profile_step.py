@@ -1,0 +1,147 @@
+"""Where an engine step's CPU time goes, by part, on bench_generate's workloads.
+
+  python -m bench.profile_step --workload fixed|variable [--num-prompts N] [--threads 1]
+
+Runs the workload through LLM.generate with each part of a step (the model's kernels
+through kernels.dispatch, input preparation, sampling, scheduler, output processing)
+wrapped in a timer of the engine thread's CPU time (time.thread_time), exclusive of the
+parts nested in it. At one thread every kernel runs on that thread, so the figures do
+not count time the host's other processes took from us, which wall time on a shared
+host does. Steps are split by kind: decodes only, or with prefill rows.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from functools import wraps
+
+import torch
+
+from bench.bench_generate import make_workload
+from engine import LLM, SamplingParams
+from engine.models import attention as model_attention
+from engine.models import layers as model_layers
+from engine.models import rope as model_rope
+from engine.models.llama import LlamaForCausalLM, LlamaModel
+from engine.sample.sampler import Sampler
+from engine.worker.model_runner import ModelRunner
+from kernels import dispatch
+from kernels.cpu import features as cpu_features
+
+
+class PartTimer:
+    """Exclusive CPU time per part; the current step's figures go to its kind at its end."""
+
+    def __init__(self) -> None:
+        self.stack: list[list] = []  # [part, start, nested time]
+        self.step: dict[str, float] = defaultdict(float)
+        self.kind = "decode"
+        self.totals: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+        self.steps: dict[str, int] = defaultdict(int)
+        self.tokens: dict[str, int] = defaultdict(int)
+
+    def wrap(self, part, fn):
+        @wraps(fn)
+        def timed(*args, **kwargs):
+            name = part(self) if callable(part) else part
+            frame = [name, time.thread_time(), 0.0]
+            self.stack.append(frame)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.thread_time() - frame[1]
+                self.stack.pop()
+                self.step[name] += elapsed - frame[2]
+                if self.stack:
+                    self.stack[-1][2] += elapsed
+                if name == "step (engine glue)":
+                    self._end_step()
+        return timed
+
+    def _end_step(self) -> None:
+        totals = self.totals[self.kind]
+        for name, seconds in self.step.items():
+            totals[name] += seconds
+        self.steps[self.kind] += 1
+        self.step.clear()
+        self.kind = "decode"
+
+    def report(self) -> None:
+        for kind, parts in self.totals.items():
+            total = sum(parts.values())
+            steps = self.steps[kind]
+            print(f"\n{kind}: {steps} steps, {self.tokens[kind]} scheduled tokens, "
+                  f"{total:.2f} s CPU = {1e3 * total / max(steps, 1):.2f} ms/step")
+            for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
+                print(f"  {name:<28}{1e3 * seconds / max(steps, 1):>10.3f} ms/step"
+                      f"{100 * seconds / total:>8.1f}%")
+
+
+def _linear_part(timer: PartTimer) -> str:
+    return "matmul lm_head" if timer.stack and timer.stack[-1][0] == "logits" else "matmul"
+
+
+def install(timer: PartTimer) -> None:
+    """Wrap the parts of a step; the wrappers call the real functions unchanged."""
+    w = timer.wrap
+    dispatch.linear = w(_linear_part, dispatch.linear)
+    for module, name in ((dispatch, "add_rms_norm"), (dispatch, "silu_mul"),
+                         (dispatch, "rope"), (dispatch, "argmax_rows")):
+        setattr(module, name, w(name, getattr(module, name)))
+    model_attention.paged_attention = w("attention", model_attention.paged_attention)
+    model_attention.reshape_and_cache = w("kv write", model_attention.reshape_and_cache)
+    model_rope.RotaryEmbedding.lookup = w("rope", model_rope.RotaryEmbedding.lookup)
+    LlamaModel.embed = w("embed", LlamaModel.embed)
+    LlamaModel.forward = w("model (python)", LlamaModel.forward)
+    LlamaForCausalLM.compute_logits = w("logits", LlamaForCausalLM.compute_logits)
+    model_layers.Linear.forward = w("model (python)", model_layers.Linear.forward)
+    prepare = ModelRunner._prepare
+
+    def prepare_and_classify(runner, out):
+        result = prepare(runner, out)
+        timer.kind = "decode" if result[2].max_query_len == 1 else "with prefill"
+        timer.tokens[timer.kind] += out.total_num_scheduled_tokens
+        return result
+
+    ModelRunner._prepare = w("input prep", prepare_and_classify)
+    ModelRunner.execute = w("runner (python)", ModelRunner.execute)
+    Sampler.prepare = w("sampling metadata", Sampler.prepare)
+    Sampler.__call__ = w("sampling", Sampler.__call__)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", choices=["fixed", "variable"], default="fixed")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="auto")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    llm = LLM(None, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
+              max_model_len=2048, num_threads=args.threads)
+    w = make_workload(args.workload, llm.get_tokenizer(), count=args.num_prompts)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
+    llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    llm.llm_engine.reset_prefix_cache()
+    timer = PartTimer()
+    install(timer)
+    engine = llm.llm_engine
+    engine.step = timer.wrap("step (engine glue)", engine.step)
+    engine.scheduler.schedule = timer.wrap("scheduler", engine.scheduler.schedule)
+    engine.scheduler.update_from_output = timer.wrap("scheduler",
+                                                     engine.scheduler.update_from_output)
+    engine.output_processor.process = timer.wrap("outputs", engine.output_processor.process)
+    t0, c0 = time.perf_counter(), time.thread_time()
+    llm.generate(w.prompts, params, use_tqdm=False)
+    wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    print(f"CPU {cpu_features.detect().describe()}, threads={args.threads}, "
+          f"dtype={engine.loaded.dtype}, workload {args.workload} x {len(w.prompts)}")
+    print(f"{w.total_output} output tokens: {cpu:.1f} s CPU of the engine thread, {wall:.1f} s "
+          f"wall ({w.total_output / cpu:.1f} tok per CPU second)")
+    timer.report()
+
+
+if __name__ == "__main__":
+    main()
