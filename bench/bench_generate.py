@@ -154,6 +154,10 @@ def bytes_per_step(model) -> int:
     tables.update({id(w.panels): w.out_features * w.panels.shape[1] * w.panels.element_size()
                    for w in prepared if w is not None and w.panels is not None})
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
+    lm_head, embed = model.lm_head_prepared, model.model.embed_tokens.weight
+    if lm_head is not None and lm_head.panels is not None and embed is not None:
+        # tied: the step streams the lm_head's panels and reads a row of the dense table
+        dense -= embed.numel() * embed.element_size() if model.tie_word_embeddings else 0
     return dense + sum(tables.values())
 
 
