@@ -38,15 +38,51 @@ MODELS = {
 }
 
 
+class _Servers:
+    """The module's server, started again before a test when the last one died: streams
+    with the triton_grpc_error header (StatusProbe's `with_code`) make tritonserver 2.51
+    segfault once in a few runs after the answer has arrived (its gRPC stream handler's
+    HandleCancellation, logged just before "Signal (11) received"), and the next tests
+    must not fail for Triton's crash. Each restart is printed with the dead one's log."""
+
+    def __init__(self, repo, work) -> None:
+        self._repo, self._work, self._starts = repo, work, 0
+        self._context = self.handle = None
+
+    def live(self) -> TritonServer:
+        if self.handle is not None and self.handle.process.poll() is not None:
+            print(f"tritonserver died (exit {self.handle.process.returncode}); log: "
+                  f"{self.handle.log_path}; starting it again")
+            self.close()
+        if self.handle is None:
+            self._starts += 1
+            self._context = running_server(self._repo, self._work / f"run{self._starts}", load=MODELS)
+            self.handle = self._context.__enter__()
+        return self.handle
+
+    def close(self) -> None:
+        if self._context is not None:
+            self._context.__exit__(None, None, None)
+        self._context = self.handle = None
+
+
 @pytest.fixture(scope="module")
-def explicit_server(tmp_path_factory, tiny_model_dir):
+def _servers(tmp_path_factory, tiny_model_dir):
     work = tmp_path_factory.mktemp("triton-overload")
     tiny = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS}
     repo = copy_repository(REPO_ROOT / "model_repository", work / "models", models=[],
                            renames={name: "llm" for name in MODELS},
                            params={name: {**tiny, **extra} for name, extra in MODELS.items()})
-    with running_server(repo, work, load=MODELS) as handle:
-        yield handle
+    servers = _Servers(repo, work)
+    try:
+        yield servers
+    finally:
+        servers.close()
+
+
+@pytest.fixture
+def explicit_server(_servers):
+    return _servers.live()
 
 
 def rejected_total(server: TritonServer, model: str) -> float:
@@ -196,13 +232,14 @@ def test_dead_engine_loop_answers_unavailable_and_never_hangs(explicit_server):
     for _, message, elapsed in in_flight_statuses(explicit_server, model, 3):
         assert "engine stopped" in message, message
         assert elapsed < 10, elapsed
-    status, message, elapsed = infer_status(explicit_server, model, "hi", 2, with_code=True)
-    assert status == "StatusCode.UNAVAILABLE" and "INJECT_LOOP_FAILURE_AT_STEP" in message, message
-    assert elapsed < 2, elapsed
     later = generate(explicit_server, model, {"text_input": "hi", "parameters": {"max_tokens": 2}})
     assert "engine stopped" in later.json()["error"], later.text
     # Without ENABLE_VLLM_HEALTH_CHECK the model stays loaded (as vllm_backend's default).
     assert model_ready(explicit_server, model)
+    # Last: Triton may crash after a with_code stream (see _Servers).
+    status, message, elapsed = infer_status(explicit_server, model, "hi", 2, with_code=True)
+    assert status == "StatusCode.UNAVAILABLE" and "INJECT_LOOP_FAILURE_AT_STEP" in message, message
+    assert elapsed < 2, elapsed
 
 
 def test_health_check_unloads_the_model_once_its_engine_loop_died(explicit_server):
