@@ -48,6 +48,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--batch-count", type=int, default=0, help="requests timed serially (0: all)")
     ap.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="load without llama.cpp's extra CPU buffer types (its AMX and repacked "
+                         "layouts): 0.3.36 segfaults with them on SmolLM2's Q4_1 file on AMX hosts")
     args = ap.parse_args()
 
     prompts, max_tokens = read_workload(args.workload)
@@ -61,6 +64,16 @@ def main():
         convert_s = time.perf_counter() - t
 
     import llama_cpp
+    if args.no_extra_bufts:
+        # Llama() takes no such argument; it builds its parameters from this function.
+        defaults = llama_cpp.llama_cpp.llama_model_default_params
+
+        def without_extra_bufts():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+        llama_cpp.llama_cpp.llama_model_default_params = without_extra_bufts
+        llama_cpp.llama_model_default_params = without_extra_bufts
     n_ctx = max(len(p) + n for p, n in zip(prompts, max_tokens))
     n_ctx = max(n_ctx, len(prompts[0]) + args.single_tokens + 1) + 16
     t0 = time.perf_counter()
@@ -101,6 +114,7 @@ def main():
         "gguf": os.path.basename(path),
         "weights": file_type.removeprefix("MOSTLY_").removeprefix("ALL_"),  # e.g. Q4_1, F32
         "threads": args.threads,
+        "extra_bufts": not args.no_extra_bufts,
         "convert_s": round(convert_s, 2),
         "startup_s": round(startup_s, 2),
         "num_prompts": len(prompts),

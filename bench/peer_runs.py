@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -44,6 +45,10 @@ def run_hf_single(model, w: Workload, count: int) -> float:
     return produced / (time.perf_counter() - t0)
 
 
+class PeerCrashed(RuntimeError):
+    """A peer's process died of a signal (its own bug, not a bad workload)."""
+
+
 def run_peer(python: str, script: str, w: Workload, args: list[str], env: dict | None = None) -> dict:
     """Run bench/<script> in a peer's venv on w's prompts and lengths; its last stdout
     line is its JSON result."""
@@ -54,6 +59,8 @@ def run_peer(python: str, script: str, w: Workload, args: list[str], env: dict |
                               env=env, capture_output=True, text=True, timeout=3600)
     finally:
         os.unlink(f.name)
+    if done.returncode < 0:
+        raise PeerCrashed(f"{script} killed by signal {-done.returncode}:\n{done.stderr[-3000:]}")
     if done.returncode != 0:
         raise RuntimeError(f"{script} failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -74,8 +81,14 @@ def run_llamacpp(python: str, w: Workload, gguf: Path, convert: str | None, repe
     """llama.cpp in its own venv (bench/llamacpp_peer.py): the GGUF as shipped, or
     dequantized to `convert` (F32/BF16/F16) for a same-precision run."""
     extra = (["--convert", convert] if convert else []) + (["--threads", str(threads)] if threads else [])
-    return run_peer(python, "llamacpp_peer.py", w, ["--gguf", str(gguf), "--repeat", str(repeat),
-                                                    "--batch-count", str(batch_count), *extra])
+    args = ["--gguf", str(gguf), "--repeat", str(repeat), "--batch-count", str(batch_count), *extra]
+    try:
+        return run_peer(python, "llamacpp_peer.py", w, args)
+    except PeerCrashed as crash:
+        # llama.cpp 0.3.36's AMX / repacked buffers segfault on some files (SmolLM2's
+        # Q4_1 on an AMX host): run it on its plain CPU buffers, and say so in the label.
+        print(f"llama.cpp crashed ({crash}); again without its extra buffer types", file=sys.stderr)
+        return run_peer(python, "llamacpp_peer.py", w, [*args, "--no-extra-bufts"])
 
 
 def peer_label(prefix: str, result: dict, num_prompts: int) -> str:
@@ -84,4 +97,5 @@ def peer_label(prefix: str, result: dict, num_prompts: int) -> str:
     # llama.cpp runs one sequence at a time: its batch figure is the requests in series,
     # maybe only the first k of them timed.
     k = result["batch_requests_timed"]
-    return f"{prefix} {result['weights']} (serial{'' if k == num_prompts else f' {k}/{num_prompts}'})"
+    plain = "" if result.get("extra_bufts", True) else ", no extra bufts"
+    return f"{prefix} {result['weights']} (serial{'' if k == num_prompts else f' {k}/{num_prompts}'}{plain})"
