@@ -133,7 +133,8 @@ def linear_gguf_amx(x: torch.Tensor, weight: GgufWeight,
     """x W^T + b on AMX tiles: W widened to bf16 a block of rows at a time, x rounded to
     bf16 (float32 x included), float32 sums; output in x's dtype. None if not applicable
     (no AMX, a 1-D x, a bias not float32)."""
-    if (not gguf_amx_available() or x.dim() != 2
+    lib = _library()
+    if (lib is None or not gguf_amx_available() or x.dim() != 2
             or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu
             or x.shape[1] != weight.in_features or x.shape[0] == 0
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
@@ -141,9 +142,8 @@ def linear_gguf_amx(x: torch.Tensor, weight: GgufWeight,
     x = x.contiguous()
     out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
     is_bf16 = int(x.dtype == torch.bfloat16)
-    status = _library().linear_gguf_amx(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0],
-                                        _ptr(bias), out.data_ptr(), is_bf16,
-                                        torch.get_num_threads())
+    status = lib.linear_gguf_amx(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0],
+                                 _ptr(bias), out.data_ptr(), is_bf16, torch.get_num_threads())
     return out if status == 0 else None
 
 
