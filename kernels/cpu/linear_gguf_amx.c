@@ -146,16 +146,24 @@ static void widen_rows(int type, const uint8_t *qs, const float *d, const float 
         } else {
             const uint8_t *q = qs + j * (k / 2);
             const float *oj = offset + j * nblk;
-            const __m128i mask = _mm_set1_epi8(0x0F);
+            /* A block's 32 weights take at most 16 values (d * u + offset, u < 16): widen
+             * those 16 once and look the codes up with one word permute, instead of
+             * converting and FMA-ing every weight (~30% fewer uops a block). Same bits. */
+            const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                               14, 15);
+            const __m256i shifts = _mm256_setr_epi64x(0, 0, 4, 4);
+            const __m256i mask = _mm256_set1_epi8(0x0F);
             for (int64_t b = 0; b < nblk; b++) {
-                const __m512 s = _mm512_set1_ps(dj[b]), o = _mm512_set1_ps(oj[b]);
-                /* byte i holds elements i (low nibble) and i + 16 (high nibble) */
-                const __m128i packed = _mm_loadu_si128((const __m128i *)(q + b * (QK / 2)));
-                const __m128i low = _mm_and_si128(packed, mask);
-                const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-                const __m512 lo = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(low)), o);
-                const __m512 hi = _mm512_fmadd_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(high)), o);
-                _mm512_storeu_si512(out + b * QK, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                const __m512 values = _mm512_fmadd_ps(_mm512_set1_ps(dj[b]), iota,
+                                                      _mm512_set1_ps(oj[b]));
+                const __m512i table = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(values));
+                /* byte i holds elements i (low nibble) and i + 16 (high nibble): the low
+                 * lane keeps the low nibbles, the high lane the high ones */
+                const __m256i packed = _mm256_broadcastsi128_si256(
+                    _mm_loadu_si128((const __m128i *)(q + b * (QK / 2))));
+                const __m256i codes = _mm256_and_si256(_mm256_srlv_epi64(packed, shifts), mask);
+                _mm512_storeu_si512(out + b * QK, _mm512_permutexvar_epi16(
+                    _mm512_cvtepu8_epi16(codes), table));
             }
         }
     }
