@@ -197,10 +197,10 @@ GGUF_DENSE_MIN_ROWS = 256
 GGUF_PANEL_MIN_ROWS = 16
 # Where AMX runs (kernels/cpu/linear_gguf_amx.c), bf16 batches from this many rows widen W
 # to bf16 a 32-row block at a time and multiply on tiles instead of any path below: at 8
-# rows 1.4-2.6x the int8 kernel, at 16 2.5-4.8x, at 64 6-10x, 12-17x at 256 (0.6-1.0x a
-# dense bf16 oneDNN matmul throughout); one row 0.25-0.5x (widening W costs the same for any
-# row count). SmolLM2-135M's layers, Q4_1 and Q8_0, 1 and 2 threads, 2-core Sapphire
-# Rapids (amx).
+# rows 1.8-2.5x the int8 kernel (it breaks even at 4-6), 9-11x at 64, 12-17x at 256, and
+# 0.6-1.4x a dense bf16 oneDNN matmul throughout; one row 0.3-0.5x (widening W costs the
+# same for any row count). SmolLM2-135M's layers, Q4_1 and Q8_0, 1 thread (2 threads
+# alike), 2-core Sapphire Rapids (amx), shared host.
 GGUF_AMX_MIN_ROWS = 8
 
 
