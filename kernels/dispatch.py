@@ -195,6 +195,13 @@ GGUF_DENSE_MIN_ROWS = 256
 # 1.3x at 64, 1.5-1.7x at 128, 0.55-0.7x at 8 (SmolLM2's layers, Q4_1 and Q8_0, 1 thread's
 # CPU time on a 2-core AVX2 EPYC).
 GGUF_PANEL_MIN_ROWS = 16
+# Where AMX runs (kernels/cpu/linear_gguf_amx.c), bf16 batches from this many rows widen W
+# to bf16 a 32-row block at a time and multiply on tiles instead of any path below: at 8
+# rows 1.8-2.5x the int8 kernel (it breaks even at 4-6), 9-11x at 64, 12-17x at 256, and
+# 0.6-1.4x a dense bf16 oneDNN matmul throughout; one row 0.3-0.5x (widening W costs the
+# same for any row count). SmolLM2-135M's layers, Q4_1 and Q8_0, 1 thread (2 threads
+# alike), 2-core Sapphire Rapids (amx), shared host.
+GGUF_AMX_MIN_ROWS = 8
 
 
 def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
@@ -208,6 +215,11 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
         if out is not None:
             return out
         return torch_invariant.linear(x, weight.dequantize().to(x.dtype), bias)
+    if (x.dim() == 2 and x.shape[0] >= GGUF_AMX_MIN_ROWS and x.dtype == torch.bfloat16
+            and cpu_linear.gguf_amx_available()):
+        out = cpu_linear.linear_gguf_amx(x, weight, bias)
+        if out is not None:
+            return out
     if (x.dim() == 2 and x.shape[0] >= GGUF_PANEL_MIN_ROWS and x.dtype == torch.float32
             and cpu_gemm.preferred()):
         out = cpu_gemm.gemm_gguf(x, weight, bias)

@@ -11,6 +11,7 @@ from functools import lru_cache
 
 import torch
 
+from kernels.cpu import features as cpu_features
 from kernels.cpu import native as cpu_native
 from kernels.cpu.gguf_weight import FORMATS, GgufWeight
 
@@ -23,6 +24,9 @@ _SIGNATURES = {
     "linear_gguf_rows": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32,
                                 _I32]),
     "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
+    "linear_gguf_amx": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
+    "linear_gguf_amx_built": (_I32, []),
+    "linear_gguf_amx_ready": (_I32, []),
 }
 
 
@@ -105,6 +109,41 @@ def linear_gguf(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
     kernel = lib.linear_gguf_rows if single_row_order else lib.linear_gguf
     status = kernel(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0], _ptr(bias),
                     out.data_ptr(), is_bf16, torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def gguf_amx_built() -> bool | None:
+    """Whether the loaded build carries the AMX GGUF kernel (linear_gguf_amx.c); None
+    without the library."""
+    lib = _library()
+    return None if lib is None else bool(lib.linear_gguf_amx_built())
+
+
+@lru_cache(maxsize=1)
+def gguf_amx_available() -> bool:
+    """The AMX GGUF kernel can run: the CPU in use (the TLE_CPU_ISA cap applied) is at the
+    amx level, the build has the tile code, and Linux granted this process the tile state."""
+    lib = _library()
+    return (lib is not None and cpu_features.detect().isa == "amx"
+            and bool(lib.linear_gguf_amx_built()) and lib.linear_gguf_amx_ready() == 0)
+
+
+def linear_gguf_amx(x: torch.Tensor, weight: GgufWeight,
+                    bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x W^T + b on AMX tiles: W widened to bf16 a block of rows at a time, x rounded to
+    bf16 (float32 x included), float32 sums; output in x's dtype. None if not applicable
+    (no AMX, a 1-D x, a bias not float32)."""
+    lib = _library()
+    if (lib is None or not gguf_amx_available() or x.dim() != 2
+            or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu
+            or x.shape[1] != weight.in_features or x.shape[0] == 0
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.out_features, dtype=x.dtype)
+    is_bf16 = int(x.dtype == torch.bfloat16)
+    status = lib.linear_gguf_amx(*weight.kernel_args, x.data_ptr(), is_bf16, x.shape[0],
+                                 _ptr(bias), out.data_ptr(), is_bf16, torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -40,6 +40,7 @@ def calls(monkeypatch) -> list[str]:
     spy(cpu_linear, "linear_f32_rows", "native rows")
     spy(cpu_linear, "linear_bf16_rows", "native bf16 rows")
     spy(cpu_linear, "linear_gguf", "gguf native")
+    spy(cpu_linear, "linear_gguf_amx", "gguf amx")
     spy(cpu_linear, "dequantize_rows", "gguf dequantize")
     spy(cpu_gemm, "gemm", "native gemm")
     spy(cpu_gemm, "gemm_gguf", "native gguf gemm")
@@ -129,6 +130,30 @@ def test_gguf_takes_the_int8_kernel_then_a_dense_gemm(calls, rows):
         assert calls == ["gguf dequantize", "F.linear"]
     else:
         assert calls == ["gguf native"]
+
+
+@needs_native
+@pytest.mark.parametrize("rows", [1, dispatch.GGUF_AMX_MIN_ROWS - 1, dispatch.GGUF_AMX_MIN_ROWS,
+                                  dispatch.GGUF_DENSE_MIN_ROWS - 1, dispatch.GGUF_DENSE_MIN_ROWS])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gguf_bf16_batches_take_the_amx_kernel_exactly_where_it_runs(calls, rows, dtype):
+    """bf16 batches from GGUF_AMX_MIN_ROWS run on AMX tiles where the CPU in use (the cap
+    applied) and the build have them; float32 ones, fewer rows and other hosts keep the
+    int8 kernel / GEMM paths. Batch-invariant mode never takes it."""
+    quantized, dense = gguf_weight("Q4_1", 40, 64)
+    x = torch.randn(rows, 64).to(dtype)
+    out = dispatch.linear(x, dispatch.prepare_linear(quantized, None))
+    amx = (cpu_features.detect().isa == "amx" and bool(cpu_linear.gguf_amx_built()))
+    assert cpu_linear.gguf_amx_available() == amx
+    takes_amx = amx and dtype == torch.bfloat16 and rows >= dispatch.GGUF_AMX_MIN_ROWS
+    assert ("gguf amx" in calls) == takes_amx
+    if takes_amx:
+        assert calls == ["gguf amx"]
+    exact = x.double() @ dense.double().T
+    assert float((out.double() - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    calls.clear()
+    dispatch.linear(x, dispatch.prepare_linear(quantized, None, batch_invariant=True))
+    assert "gguf amx" not in calls
 
 
 @needs_native
