@@ -73,16 +73,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return triton_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                           query_start_loc, seq_lens, scale, max_query_len,
                                           max_seq_len)
-    if query.dtype == torch.float32 and max_query_len > 1 and _chunks_fit_tiles(
+    if query.dtype in _TILE_DTYPES and max_query_len > 1 and _chunks_fit_tiles(
             query_start_loc, seq_lens, max_query_len, max_seq_len):
         # Prefill chunks and the step's decode rows in one native call, in tiles of rows.
-        out = cpu_attention.paged_attention_f32(query, key_cache, value_cache, block_tables,
-                                                query_start_loc, seq_lens, scale)
+        out = cpu_attention.paged_attention(query, key_cache, value_cache, block_tables,
+                                            query_start_loc, seq_lens, scale)
         if out is not None:
             return out
     return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale, max_query_len,
                                      max_seq_len, decode=_cpu_decode)
+
+
+# The tile kernel's dtypes (bf16 computes in float32 there, as the decode kernel does).
+_TILE_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _chunks_fit_tiles(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
