@@ -134,3 +134,17 @@ def test_declines_what_it_does_not_handle():
     assert _run(bad) is None
     with pytest.raises(ValueError, match="seq_lens"):
         dispatch.paged_attention(*bad.attention_args()[:-1], 20)
+
+
+def test_dispatch_sends_chunks_past_the_tile_limit_to_sdpa(monkeypatch):
+    # bf16 on an AMX host cuts over at a few thousand query x context positions.
+    batch = make_paged_batch([300, 9], [300, 1], 9, 3, 64, 16, dtype=torch.bfloat16, seed=6)
+    monkeypatch.setattr(dispatch, "_tile_max_work", lambda dtype: 1000)
+    monkeypatch.setattr(cpu_attention, "paged_attention", lambda *args: pytest.fail("tiles"))
+    sdpa = []
+    prefill = torch_ops.prefill_attention
+    monkeypatch.setattr(torch_ops, "prefill_attention",
+                        lambda *args: sdpa.append(1) or prefill(*args))
+    out = dispatch.paged_attention(*batch.attention_args())
+    assert sdpa == [1]
+    torch.testing.assert_close(out.float(), dense_attention(batch), atol=2e-2, rtol=2e-2)
