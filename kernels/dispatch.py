@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import decode_step as cpu_decode_step
+from kernels.cpu import features as cpu_features
 from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import lora as cpu_lora
@@ -73,27 +74,47 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         return triton_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                           query_start_loc, seq_lens, scale, max_query_len,
                                           max_seq_len)
-    if query.dtype == torch.float32 and max_query_len > 1 and _chunks_fit_tiles(
-            query_start_loc, seq_lens, max_query_len, max_seq_len):
+    max_work = _tile_max_work(query.dtype)
+    if query.dtype in _TILE_DTYPES and max_query_len > 1 and _chunks_fit_tiles(
+            query_start_loc, seq_lens, max_query_len, max_seq_len, max_work):
         # Prefill chunks and the step's decode rows in one native call, in tiles of rows.
-        out = cpu_attention.paged_attention_f32(query, key_cache, value_cache, block_tables,
-                                                query_start_loc, seq_lens, scale)
+        out = cpu_attention.paged_attention(query, key_cache, value_cache, block_tables,
+                                            query_start_loc, seq_lens, scale)
         if out is not None:
             return out
     return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale, max_query_len,
-                                     max_seq_len, decode=_cpu_decode)
+                                     max_seq_len, decode=_cpu_decode, rows_max_work=max_work)
+
+
+# The tile kernel's dtypes (bf16 computes in float32 there, as the decode kernel does).
+_TILE_DTYPES = (torch.float32, torch.bfloat16)
+# With AMX, torch's bf16 SDPA (oneDNN brgemm on the tiles) beats the tile kernel's float32
+# arithmetic from small chunks on (tiles vs SDPA): 0.10 vs 0.11 ms at 64 x 64 positions,
+# 0.36 vs 0.31 at 16 rows over 512, 2.5 vs 0.9 at 128 over 512, 5.4 vs 2.4 for a fresh 512
+# (the decode kernel's rows, which took such chunks before: 9.1 ms there) (SmolLM2's
+# 9/3 heads, one layer; amx host, 1 thread), so bf16 chunks past this much query x
+# context work go to SDPA rather than to the tiles or the decode kernel's rows. Capped
+# to AVX-512 BF16 on the same host the tiles still won to ~16k (1.3x at 128 x 128, 0.8x
+# at 64 over 512) and to 512 x 512 at AVX2, so there bf16 keeps float32's ROWS_MAX_WORK.
+BF16_AMX_TILE_MAX_WORK = 64 * 64
+
+
+def _tile_max_work(dtype: torch.dtype) -> int:
+    if dtype == torch.bfloat16 and cpu_features.detect().isa == "amx":
+        return BF16_AMX_TILE_MAX_WORK
+    return torch_ops.ROWS_MAX_WORK
 
 
 def _chunks_fit_tiles(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      max_query_len: int, max_seq_len: int) -> bool:
+                      max_query_len: int, max_seq_len: int, max_work: int) -> bool:
     # Past ROWS_MAX_WORK a chunk runs faster through SDPA's fused kernel: 156 vs 235 ms
     # for one fresh 2048-token prompt, while the tiles took 61 vs 89 ms (4 x 512 tokens)
     # against the decode kernel's rows (SmolLM2 shapes, 1 thread, AVX2 EPYC).
-    if max_query_len * max_seq_len <= torch_ops.ROWS_MAX_WORK:
+    if max_query_len * max_seq_len <= max_work:
         return True
     work = (query_start_loc[1:] - query_start_loc[:-1]).long() * seq_lens.long()
-    return int(work.max()) <= torch_ops.ROWS_MAX_WORK
+    return int(work.max()) <= max_work
 
 
 def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):

@@ -45,7 +45,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, decode=None, rows_only: bool = False) -> torch.Tensor:
+                    max_seq_len: int, decode=None, rows_only: bool = False,
+                    rows_max_work: int = ROWS_MAX_WORK) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
     Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
@@ -55,6 +56,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     as rows with their own context lengths, for short prefill chunks (ROWS_MAX_WORK).
     `rows_only`: every query token goes through `decode` as a row (batch-invariant mode:
     a token's attention then depends on its position alone, not on its chunk).
+    `rows_max_work`: the short-chunk limit for `decode`, where SDPA is faster than usual.
     """
     fast_decode = decode
     decode = decode or decode_attention
@@ -72,7 +74,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if rows_only:
         as_rows = torch.ones_like(as_rows)
     elif fast_decode is not None:
-        as_rows |= query_lens.long() * seq_lens.long() <= ROWS_MAX_WORK
+        as_rows |= query_lens.long() * seq_lens.long() <= rows_max_work
     if bool(as_rows.any()):
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=query.device),
                                                query_lens.long(), output_size=total_tokens)

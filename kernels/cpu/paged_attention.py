@@ -1,5 +1,6 @@
-"""The float32 paged attention kernel (kernels/cpu/paged_attention_f32.c): a whole step's
-decode rows and prefill chunks in one call, K/V read in place through the block table.
+"""The paged attention kernel for float32 and bf16 (kernels/cpu/paged_attention_f32.c): a
+whole step's decode rows and prefill chunks in one call, K/V read in place through the
+block table.
 
 Returns None when it does not apply (no library, dtype, layout, a shape it declines);
 kernels.dispatch then runs the torch path with the decode kernel for rows.
@@ -14,7 +15,9 @@ import torch
 from kernels.cpu import native as cpu_native
 
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-_SIGNATURES = {"paged_attention_f32": (_I32, [_P] * 7 + [_I32] * 7 + [_F32, _I32])}
+_ARGS = (_I32, [_P] * 7 + [_I32] * 7 + [_F32, _I32])
+_SIGNATURES = {"paged_attention_f32": _ARGS, "paged_attention_bf16": _ARGS}
+_KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
 
 @lru_cache(maxsize=1)
@@ -22,15 +25,17 @@ def _library() -> ctypes.CDLL | None:
     return cpu_native.bind(_SIGNATURES)
 
 
-def paged_attention_f32(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                    block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                    seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
     """Causal attention of each sequence's query rows qsl[i]:qsl[i+1] (the last ones of
     its seq_lens[i] positions) -> [T, H, D]; rows past qsl[-1] come back zero. Same
-    contract as torch_ops.paged_attention, float32 CPU tensors only."""
+    contract as torch_ops.paged_attention, for float32 or bf16 CPU tensors (query and
+    caches of one dtype; bf16 computes in float32 and rounds the output)."""
     lib = _library()
-    if (lib is None or query.dtype != torch.float32 or key_cache.dtype != torch.float32
-            or value_cache.dtype != torch.float32 or not query.is_cpu
+    name = _KERNELS.get(query.dtype)
+    if (lib is None or name is None or key_cache.dtype != query.dtype
+            or value_cache.dtype != query.dtype or not query.is_cpu
             or not (key_cache.is_contiguous() and value_cache.is_contiguous())):
         return None
     query = query.contiguous()
@@ -39,7 +44,7 @@ def paged_attention_f32(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     lens = seq_lens.to(torch.int32).contiguous()
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
-    status = lib.paged_attention_f32(
+    status = getattr(lib, name)(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), tables.shape[0], num_tokens,
         num_heads, key_cache.shape[2], head_dim, key_cache.shape[1], tables.shape[1],
@@ -50,3 +55,13 @@ def paged_attention_f32(query: torch.Tensor, key_cache: torch.Tensor, value_cach
     if total < num_tokens:
         out[total:].zero_()
     return out
+
+
+def paged_attention_f32(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """paged_attention for float32 tensors only (None for any other dtype)."""
+    if query.dtype != torch.float32:
+        return None
+    return paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                           seq_lens, scale)

@@ -1,5 +1,5 @@
-/* Paged causal attention for float32, every sequence of a step in one call: decode rows
- * and prefill chunks alike, K/V read in place through the block table.
+/* Paged causal attention for float32 and bf16, every sequence of a step in one call:
+ * decode rows and prefill chunks alike, K/V read in place through the block table.
  *
  * Why: prefill chunks went through the decode kernel one query row at a time, each row
  * reading its whole context again, and its score loop is one dependent chain of FMAs
@@ -14,6 +14,11 @@
  * keys from position 0, online softmax as decode_attention.c), so a row's result does
  * not depend on its chunk or on which rows share its tile.
  *
+ * bf16 runs the same float32 arithmetic: query rows are widened on load, and a block's
+ * K/V rows of one head are widened into a per-thread buffer that every row of the tile
+ * then reads (widening is exact, so the bits match the float32 kernel on the widened
+ * inputs); the output is rounded to bf16 at the end (nearest-even, bf16.h).
+ *
  * Layouts (docs/CONTRACTS.md): query/out [T, H, D]; caches [blocks, block_size, KVH, D];
  * block_tables [S, max_blocks] int32; query_start_loc [S + 1] and seq_lens [S] int32.
  * head_dim a multiple of 8.
@@ -23,6 +28,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "vec8.h"
 
 #define MAX_HEAD_DIM 256
@@ -33,8 +39,8 @@
 #define TILE_ROWS 16
 
 typedef struct {
-    const float *query, *key_cache, *value_cache;
-    float *out;
+    const void *query, *key_cache, *value_cache;  /* float or uint16_t (bf16) */
+    void *out;
     const int32_t *block_tables, *seq_lens;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
     float scale;
@@ -118,7 +124,8 @@ static __attribute__((noinline)) float softmax_block(float *s, int n, int first,
  * sequences of ~110 tokens), and the next block is fetched while this one is used. */
 static inline __attribute__((always_inline)) void run_tile_d(const attn_t *job, int seq,
                                                              int row0, int first_pos,
-                                                             int num_pos, const int d) {
+                                                             int num_pos, const int d,
+                                                             const int bf16) {
     const int bs = job->block_size, heads = job->num_heads, kv_heads = job->num_kv_heads;
     const int group = heads / kv_heads, stride = kv_heads * d;
     const int rows = num_pos * group, last_pos = first_pos + num_pos - 1;
@@ -126,11 +133,21 @@ static inline __attribute__((always_inline)) void run_tile_d(const attn_t *job, 
     /* Score rows padded to whole groups of 4 keys: qk_2x4 writes them. */
     float q[kv_heads][rows][d], acc[kv_heads][rows][d], scores[rows][(bs + 3) & ~3];
     float row_max[kv_heads][rows], row_sum[kv_heads][rows];
+    /* One head's block of K and V widened from bf16 (unused for float32). */
+    float kbuf[bf16 ? bs : 1][d], vbuf[bf16 ? bs : 1][d];
+    const int elem = bf16 ? 2 : 4;
     for (int h = 0; h < kv_heads; h++) {
         for (int r = 0; r < rows; r++) {
             const int p = r / group, g = r % group;
-            const float *src = job->query + ((int64_t)(row0 + p) * heads + h * group + g) * d;
-            for (int i = 0; i < d; i++) { q[h][r][i] = src[i] * job->scale; acc[h][r][i] = 0.f; }
+            const int64_t off = ((int64_t)(row0 + p) * heads + h * group + g) * d;
+            if (bf16) {
+                const uint16_t *src = (const uint16_t *)job->query + off;
+                for (int i = 0; i < d; i++) q[h][r][i] = bf16_to_f32(src[i]) * job->scale;
+            } else {
+                const float *src = (const float *)job->query + off;
+                for (int i = 0; i < d; i++) q[h][r][i] = src[i] * job->scale;
+            }
+            for (int i = 0; i < d; i++) acc[h][r][i] = 0.f;
             row_max[h][r] = -1e30f;  /* finite, so the build may use fast-math */
             row_sum[h][r] = 0.f;
         }
@@ -142,17 +159,31 @@ static inline __attribute__((always_inline)) void run_tile_d(const attn_t *job, 
         if (start + bs <= last_pos) {
             /* Blocks sit anywhere in a pool far larger than the caches: fetch the next
              * block's K and V while this one is computed (as decode_attention.c). */
-            const float *next_k = job->key_cache + (int64_t)table[start / bs + 1] * bs * stride;
-            const float *next_v = job->value_cache + (next_k - job->key_cache);
-            for (int64_t off = 0; off < (int64_t)bs * stride; off += 16) {
+            const int64_t next = (int64_t)table[start / bs + 1] * bs * stride * elem;
+            const char *next_k = (const char *)job->key_cache + next;
+            const char *next_v = (const char *)job->value_cache + next;
+            for (int64_t off = 0; off < (int64_t)bs * stride * elem; off += 64) {
                 __builtin_prefetch(next_k + off, 0, 1);
                 __builtin_prefetch(next_v + off, 0, 1);
             }
         }
         for (int h = 0; h < kv_heads; h++) {
-            for (int t = 0; t < n; t++) {
-                kp[t] = job->key_cache + block + (int64_t)t * stride + h * d;
-                vp[t] = job->value_cache + block + (int64_t)t * stride + h * d;
+            if (bf16) {
+                const uint16_t *ks = (const uint16_t *)job->key_cache + block + h * d;
+                const uint16_t *vs = (const uint16_t *)job->value_cache + block + h * d;
+                for (int t = 0; t < n; t++) {
+                    for (int i = 0; i < d; i++) {
+                        kbuf[t][i] = bf16_to_f32(ks[(int64_t)t * stride + i]);
+                        vbuf[t][i] = bf16_to_f32(vs[(int64_t)t * stride + i]);
+                    }
+                    kp[t] = kbuf[t];
+                    vp[t] = vbuf[t];
+                }
+            } else {
+                for (int t = 0; t < n; t++) {
+                    kp[t] = (const float *)job->key_cache + block + (int64_t)t * stride + h * d;
+                    vp[t] = (const float *)job->value_cache + block + (int64_t)t * stride + h * d;
+                }
             }
             for (int t = n; t < n + 3; t++) kp[t] = kp[0];  /* scores past n are dropped */
             for (int r = 0; r < rows; r += 2) {
@@ -190,17 +221,31 @@ static inline __attribute__((always_inline)) void run_tile_d(const attn_t *job, 
         for (int r = 0; r < rows; r++) {
             const int p = r / group, g = r % group;
             const float inv = 1.f / row_sum[h][r];
-            float *dst = job->out + ((int64_t)(row0 + p) * heads + h * group + g) * d;
-            for (int i = 0; i < d; i++) dst[i] = acc[h][r][i] * inv;
+            const int64_t off = ((int64_t)(row0 + p) * heads + h * group + g) * d;
+            if (bf16) {
+                uint16_t *dst = (uint16_t *)job->out + off;
+                for (int i = 0; i < d; i++) dst[i] = f32_to_bf16(acc[h][r][i] * inv);
+            } else {
+                float *dst = (float *)job->out + off;
+                for (int i = 0; i < d; i++) dst[i] = acc[h][r][i] * inv;
+            }
         }
     }
 }
 
 static void run_tile(const attn_t *job, int seq, int row0, int first_pos, int num_pos) {
     switch (job->head_dim) {
-        case 64: run_tile_d(job, seq, row0, first_pos, num_pos, 64); break;
-        case 128: run_tile_d(job, seq, row0, first_pos, num_pos, 128); break;
-        default: run_tile_d(job, seq, row0, first_pos, num_pos, job->head_dim);
+        case 64: run_tile_d(job, seq, row0, first_pos, num_pos, 64, 0); break;
+        case 128: run_tile_d(job, seq, row0, first_pos, num_pos, 128, 0); break;
+        default: run_tile_d(job, seq, row0, first_pos, num_pos, job->head_dim, 0);
+    }
+}
+
+static void run_tile_bf16(const attn_t *job, int seq, int row0, int first_pos, int num_pos) {
+    switch (job->head_dim) {
+        case 64: run_tile_d(job, seq, row0, first_pos, num_pos, 64, 1); break;
+        case 128: run_tile_d(job, seq, row0, first_pos, num_pos, 128, 1); break;
+        default: run_tile_d(job, seq, row0, first_pos, num_pos, job->head_dim, 1);
     }
 }
 
@@ -210,11 +255,12 @@ static inline int chunk_start(const int32_t *query_start_loc, int s) {
 
 /* Returns 0 on success, a negative code for shapes this kernel does not handle (the
  * caller then runs another path): -1 shape limits, -2 bad lengths, -3 no memory. */
-int paged_attention_f32(const float *query, const float *key_cache, const float *value_cache,
-                        float *out, const int32_t *block_tables,
-                        const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
-                        int num_tokens, int num_heads, int num_kv_heads, int head_dim,
-                        int block_size, int max_blocks, float scale, int num_threads) {
+static int paged_attention(const void *query, const void *key_cache, const void *value_cache,
+                           void *out, const int32_t *block_tables,
+                           const int32_t *query_start_loc, const int32_t *seq_lens,
+                           int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
+                           int head_dim, int block_size, int max_blocks, float scale,
+                           int num_threads, int is_bf16) {
     if (head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size > MAX_BLOCK
             || num_heads > MAX_HEADS || num_kv_heads < 1 || num_heads % num_kv_heads)
         return -1;
@@ -253,8 +299,31 @@ int paged_attention_f32(const float *query, const float *key_cache, const float 
         const int s = items[2 * i], j = items[2 * i + 1];
         const int qlen = chunk_start(query_start_loc, s + 1) - chunk_start(query_start_loc, s);
         const int num_pos = qlen - j < tile ? qlen - j : tile;
-        run_tile(&job, s, chunk_start(query_start_loc, s) + j, seq_lens[s] - qlen + j, num_pos);
+        (is_bf16 ? run_tile_bf16 : run_tile)(&job, s, chunk_start(query_start_loc, s) + j,
+                                             seq_lens[s] - qlen + j, num_pos);
     }
     free(items);
     return 0;
+}
+
+int paged_attention_f32(const float *query, const float *key_cache, const float *value_cache,
+                        float *out, const int32_t *block_tables,
+                        const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
+                        int num_tokens, int num_heads, int num_kv_heads, int head_dim,
+                        int block_size, int max_blocks, float scale, int num_threads) {
+    return paged_attention(query, key_cache, value_cache, out, block_tables, query_start_loc,
+                           seq_lens, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
+                           block_size, max_blocks, scale, num_threads, 0);
+}
+
+/* query/caches/out bf16 (uint16_t bits), the same arguments otherwise. */
+int paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache,
+                         const uint16_t *value_cache, uint16_t *out,
+                         const int32_t *block_tables, const int32_t *query_start_loc,
+                         const int32_t *seq_lens, int num_seqs, int num_tokens, int num_heads,
+                         int num_kv_heads, int head_dim, int block_size, int max_blocks,
+                         float scale, int num_threads) {
+    return paged_attention(query, key_cache, value_cache, out, block_tables, query_start_loc,
+                           seq_lens, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
+                           block_size, max_blocks, scale, num_threads, 1);
 }
