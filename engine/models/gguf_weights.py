@@ -42,12 +42,20 @@ def _matching_order(weight: GgufWeight, dense: torch.Tensor, num_heads: int,
     """The weight in HF's row order, whichever order the file used (decided on the first
     head's rows: dequantizing whole tables twice per layer would double the load time)."""
     head_dim = weight.out_features // num_heads
-    dense = dense[:head_dim].float()
-    tolerance = 1e-3 * float(dense.abs().max()) + 1e-6
+    dense = dense[:head_dim]
+    # The dense copy was rounded to the model's dtype: round ours the same way, and allow
+    # one unit in its last place where float32 rounding put a value on the other side of
+    # a tie (bf16 alone is 2^-9 relative, past a fixed 1e-3 of the largest weight where
+    # many weights sit near it, as in a Q4_0 file of random weights). The wrong order
+    # misses by about the weights themselves.
+    dtype = dense.dtype
+    dense = dense.float()
+    tolerance = 1e-3 * float(dense.abs().max()) + 1e-6 + torch.finfo(dtype).eps * dense.abs()
     permuted = _head_rows_order(num_heads, weight.out_features)
     for order in (None, permuted):
         first_head = weight.dequantize(None if order is None else order[:head_dim])[:head_dim]
-        if float((first_head - dense).abs().max()) <= tolerance:
+        first_head = first_head.to(dtype).float()
+        if bool(((first_head - dense).abs() <= tolerance).all()):
             return weight if order is None else weight.select_rows(order)
     raise ValueError(f"quantization: {name} in the GGUF file matches neither row order of "
                      "the dense weights loaded from it")

@@ -107,3 +107,24 @@ def test_cached_tables_equal_a_fresh_read(dense):
         assert torch.equal(other.qs, table.qs) and torch.equal(other.d, table.d), name
         assert (other.offset is None) == (table.offset is None)
         assert other.offset is None or torch.equal(other.offset, table.offset)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_row_order_is_found_when_the_dense_copy_was_rounded_to_bf16(dtype, type_name):
+    # dtype auto is bf16 on AVX-512 BF16 / AMX hosts: the dense weights the order is
+    # checked against are rounded, which a fixed 1e-3 of the largest weight did not
+    # allow for in a Q4_0 file of random weights (Llama-3.2-1B's shape, AMX host).
+    from engine.models.gguf_weights import _head_rows_order, _matching_order
+    from testing.gguf_weights import gguf_weight
+
+    heads, head_dim, k = 4, 16, 64
+    weight, values = gguf_weight(type_name, heads * head_dim, k, seed=3)
+    assert _matching_order(weight, values.to(dtype), heads, "q") is weight
+    order = _head_rows_order(heads, heads * head_dim)
+    inverse = torch.argsort(order)
+    permuted_file = weight.select_rows(inverse)  # a file in the other row order
+    found = _matching_order(permuted_file, values.to(dtype), heads, "q")
+    assert torch.equal(found.dequantize(), weight.dequantize())
+    with pytest.raises(ValueError, match="matches neither row order"):
+        _matching_order(weight, torch.randn(heads * head_dim, k).to(dtype), heads, "q")
