@@ -367,6 +367,18 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
 # ranks 8/16, torch 1.25-1.6x from 16. bf16: native 1.5-13x faster at every row count to
 # 4096 (torch's bf16 matmuls have no bf16 unit to run on here). Not measured on AVX-512.
 LORA_TORCH_MIN_ROWS: dict[torch.dtype, int | None] = {torch.float32: 16, torch.bfloat16: None}
+# bf16 where AMX runs torch's matmuls (oneDNN on the tiles): one segment, torch 1.6-14x
+# faster from 32 rows at ranks 8/16/64 (0.5-0.6 at 32 rows, 0.07-0.2 from 256); a decode
+# batch over 4 adapters + base: native 1.0-4.5x faster for segments of 2-16 rows at ranks
+# 8/16 (bench/bench_lora_dispatch.py, one thread, amx host, 2026-12-02).
+LORA_TORCH_MIN_ROWS_AMX_BF16 = 32
+
+
+def lora_torch_min_rows(dtype: torch.dtype) -> int | None:
+    """The segment length from which torch runs an adapter's update on this host."""
+    if dtype == torch.bfloat16 and cpu_features.detect().isa == "amx":
+        return LORA_TORCH_MIN_ROWS_AMX_BF16
+    return LORA_TORCH_MIN_ROWS.get(dtype)
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
@@ -374,7 +386,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
     """y[rows of segment g] += (x[rows of g] A_g^T) B_g^T in place: a step's LoRA update
     for one layer, every adapter group at once (kernels/lora_ops.py defines it).
     CUDA: the segmented Triton kernel; CPU: the native one (float32 / bf16, unit column
-    strides) for segments shorter than LORA_TORCH_MIN_ROWS, torch's shrink and expand for
+    strides) for segments shorter than lora_torch_min_rows, torch's shrink and expand for
     the longer ones (a long prefill's) and for what the native kernel does not take.
     `batch_invariant` (CPU): the native kernel for every segment, whose sums run each row
     alone in a fixed order whatever rows share its segment, else torch one row at a time."""
@@ -402,9 +414,9 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
 def split_lora_segments(x: torch.Tensor, segments: LoRASegments, weights: SegmentWeights
                         ) -> tuple[SegmentWeights | None, SegmentWeights | None]:
     """(the native kernel's weights, torch's): each segment's weights on one side and None
-    on the other, by its row count against LORA_TORCH_MIN_ROWS; None for a side without
+    on the other, by its row count against lora_torch_min_rows; None for a side without
     segments (long None: all are the native kernel's)."""
-    threshold = LORA_TORCH_MIN_ROWS.get(x.dtype)
+    threshold = lora_torch_min_rows(x.dtype)
     if threshold is None or segments.max_rows < threshold:
         return weights, None
     sizes = segments.starts.diff().tolist()

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import dispatch
+from kernels.cpu import features as cpu_features
 from kernels.cpu import lora as cpu_lora
 from kernels.lora_ops import lora_add, lora_layout, make_segments
 
@@ -121,10 +122,14 @@ def test_triton_kernel_matches_torch(dtype, shared):
                     reason="no C compiler: the torch path runs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dispatch_sends_each_segment_to_its_side_of_the_row_threshold(monkeypatch, dtype):
-    """Below LORA_TORCH_MIN_ROWS a segment goes to the native kernel, from it on to torch;
-    a step with both (decodes beside a long prefill) splits, and every mix agrees with the
-    reference. bf16 has no threshold: its long segments stay native."""
-    threshold = dispatch.LORA_TORCH_MIN_ROWS[dtype]
+    """Below the host's threshold a segment goes to the native kernel, from it on to
+    torch; a step with both (decodes beside a long prefill) splits, and every mix agrees
+    with the reference. bf16 has no threshold except on AMX: its long segments stay
+    native."""
+    threshold = dispatch.lora_torch_min_rows(dtype)
+    amx = cpu_features.detect().isa == "amx"
+    assert threshold == (dispatch.LORA_TORCH_MIN_ROWS_AMX_BF16 if dtype == torch.bfloat16 and amx
+                         else dispatch.LORA_TORCH_MIN_ROWS[dtype])
     short, long = (threshold - 1, threshold) if threshold else (15, 600)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(short + long, 40, generator=gen).to(dtype)
