@@ -8,6 +8,7 @@ from kernels.cpu import features as cpu_features
 from kernels.cpu import gemm as cpu_gemm
 from testing.gguf_weights import gguf_weight
 from testing.native_build import CAN_DISASSEMBLE, disassemble
+from testing.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(cpu_gemm._library() is None,
                                 reason="no C compiler: the engine keeps oneDNN / torch")
@@ -108,12 +109,8 @@ def test_gguf_gemm_rows_across_x_chunks_match_and_keep_their_bits():
     out = cpu_gemm.gemm_gguf(x, weight, bias)
     expected = x.double() @ dense.double().T + bias.double()
     torch.testing.assert_close(out.double(), expected, rtol=0, atol=2e-6 * 2048 + 1e-5)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one_thread = cpu_gemm.gemm_gguf(x, weight, bias)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one_thread, out)
     for row in (0, 47, 48, 130):
         assert torch.equal(cpu_gemm.gemm_gguf(x[row:row + 1], weight, bias), out[row:row + 1])

@@ -11,6 +11,7 @@ from kernels.cpu import linear as cpu_linear
 from kernels.cpu.gguf_weight import BLOCK
 from testing.gguf_weights import gguf_weight
 from testing.native_build import CAN_DISASSEMBLE, disassemble
+from testing.threads import torch_threads
 
 _HOST_AMX = cpu_features.detect().isa == "amx"
 needs_amx = pytest.mark.skipif(
@@ -72,12 +73,8 @@ def test_amx_kernel_without_bias_and_odd_output_counts(n):
 def test_amx_kernel_gives_the_same_bits_for_any_thread_count():
     weight, _ = gguf_weight("Q8_0", 200, 576, seed=5)
     x = torch.randn(37, 576).bfloat16()
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = cpu_linear.linear_gguf_amx(x, weight, None)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, cpu_linear.linear_gguf_amx(x, weight, None))
 
 

@@ -10,6 +10,7 @@ from engine.models.rope import RotaryEmbedding
 from kernels.cpu import native as cpu_native
 from kernels import torch_ops
 from testing.paged_batch import make_paged_batch
+from testing.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine falls back to torch")
@@ -39,12 +40,8 @@ def test_long_context_and_thread_split_match():
     q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
     expected = torch_ops.decode_attention(q, kc, vc, tables, lens, scale)
     for threads in (1, 3):
-        prev = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             got = cpu_native.decode_attention(q, kc, vc, tables, lens, scale)
-        finally:
-            torch.set_num_threads(prev)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

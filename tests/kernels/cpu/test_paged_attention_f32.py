@@ -10,6 +10,7 @@ from kernels import dispatch, torch_ops
 from kernels.cpu import paged_attention as cpu_attention
 from kernels.cpu.paged_attention import paged_attention, paged_attention_f32
 from testing.paged_batch import dense_attention, make_paged_batch
+from testing.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler: the engine falls back to torch")
@@ -88,13 +89,9 @@ def test_threads_do_not_change_the_bits_and_padding_rows_are_zero(dtype, toleran
     q, kc, vc, tables, starts, lens, scale, *_ = batch.attention_args()
     padded = torch.cat([q, torch.randn(3, *q.shape[1:]).to(dtype)])
     results = []
-    prev = torch.get_num_threads()
     for threads in (1, 2):
-        torch.set_num_threads(threads)
-        try:
+        with torch_threads(threads):
             results.append(paged_attention(padded, kc, vc, tables, starts, lens, scale))
-        finally:
-            torch.set_num_threads(prev)
     assert torch.equal(results[0], results[1])
     assert torch.equal(results[0][-3:], torch.zeros(3, *q.shape[1:], dtype=dtype))
     torch.testing.assert_close(results[0][:-3].float(), dense_attention(batch),
