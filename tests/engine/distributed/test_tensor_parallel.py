@@ -230,6 +230,39 @@ def test_batch_invariant_two_ranks_alone_equal_crowded_with_an_adapter(tiny_gqa,
         tp.llm_engine.close()
 
 
+@pytest.fixture(scope="module")
+def tiny_three_kv_heads(tmp_path_factory):
+    """Llama, 6 q heads over 3 KV heads: 3 ranks hold one KV head each."""
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("kv3"), arch="llama", seed=11,
+                                   hidden_size=96, intermediate_size=192,
+                                   num_attention_heads=6, num_key_value_heads=3))
+
+
+def test_batch_invariant_three_ranks_alone_equal_crowded(tiny_three_kv_heads):
+    """batch_invariant at TP 3, where the order of the ranks' adds shows in the bits
+    (test_fixed_sum_order.py): a request's tokens and logprobs are the same alone and in a
+    chunked, prefix-cached crowd."""
+    tp = LLM(tiny_three_kv_heads, dtype="float32", tensor_parallel_size=3,
+             batch_invariant=True, block_size=8, num_kv_blocks=96, max_model_len=160,
+             max_num_batched_tokens=24, long_prefill_token_threshold=7, max_num_seqs=8)
+    try:
+        engine = tp.llm_engine
+        assert engine._tensor_parallel.group.fixed_sum_order
+        assert engine.loaded.num_kv_heads == 1 and engine.loaded.num_heads == 2
+        prompts = [SYSTEM + p for p in PROMPTS[:3]] + PROMPTS[3:]
+
+        def results(outs):
+            return [(o.outputs[0].token_ids, o.outputs[0].logprobs,
+                     o.outputs[0].cumulative_logprob) for o in outs]
+
+        alone = [results(tp.generate([p], GREEDY, use_tqdm=False))[0] for p in prompts]
+        crowded = tp.generate(prompts, GREEDY, use_tqdm=False)
+        assert results(crowded) == alone
+        assert engine.get_stats().prefix_cache_hits > 0
+    finally:
+        tp.llm_engine.close()
+
+
 def test_bad_tensor_parallel_size_is_refused_before_any_worker_starts(tiny_gqa):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide .*num_attention_heads \(4\)"):
         LLM(tiny_gqa, dtype="float32", tensor_parallel_size=3, num_kv_blocks=64, max_model_len=64)
