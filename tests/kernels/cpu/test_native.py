@@ -35,6 +35,37 @@ def test_matches_torch_decode(dtype, tol, num_heads, num_kv_heads, head_dim, blo
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 2, 64), (4, 2, 80), (4, 4, 48)])
+def test_shapes_outside_the_vector_path_match_torch_decode(dtype, tol, num_heads, num_kv_heads,
+                                                             head_dim):
+    """The vector path takes head_dim a multiple of 32 (<= 128) and <= 8 query heads per KV
+    head; these shapes (16 per KV head, head_dim 80 and 48) run the per-lane loop."""
+    seq_lens = [1, 16, 33, 77]
+    batch = make_paged_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim,
+                             16, dtype=dtype, seed=head_dim)
+    q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
+    expected = torch_ops.decode_attention(q, kc, vc, tables, lens, scale)
+    got = cpu_native.decode_attention(q, kc, vc, tables, lens, scale)
+    assert got is not None
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows_or_threads():
+    """batch_invariant relies on it: each sequence is one work item, summed in one order."""
+    lens = [700, 1, 40, 333, 16, 17]
+    batch = make_paged_batch(lens, [1] * len(lens), 9, 3, 64, 16, dtype=torch.bfloat16, seed=4)
+    q, kc, vc, tables, _, seq_lens, scale, *_ = batch.attention_args()
+    with torch_threads(1):
+        together = cpu_native.decode_attention(q, kc, vc, tables, seq_lens, scale)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            for r in range(len(lens)):
+                alone = cpu_native.decode_attention(q[r:r + 1], kc, vc, tables[r:r + 1],
+                                                    seq_lens[r:r + 1], scale)
+                assert torch.equal(alone, together[r:r + 1]), (r, threads)
+
+
 def test_long_context_and_thread_split_match():
     batch = make_paged_batch([3000, 1, 700, 1500], [1] * 4, 9, 3, 64, 16, dtype=torch.float32, seed=1)
     q, kc, vc, tables, _, lens, scale, *_ = batch.attention_args()
