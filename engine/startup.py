@@ -68,7 +68,8 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
             from engine.distributed.worker import CacheSetup
             tensor_parallel.start(CacheSetup(cache_cfg.num_kv_blocks, cache_cfg.block_size,
                                              sched_cfg.max_num_batched_tokens,
-                                             sched_cfg.max_model_len))
+                                             sched_cfg.max_model_len,
+                                             sched_cfg.max_num_seqs))
             send_step = tensor_parallel.send_step
         lora = None
         if config.lora.enable_lora and tensor_parallel is not None:

@@ -26,6 +26,8 @@ Triton module is imported only for CUDA tensors, so CPU deployments never need t
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 
@@ -347,6 +349,29 @@ def warm_up(key_cache: torch.Tensor, num_heads: int, max_model_len: int,
         triton_warmup.warm_up_attention(num_heads, num_kv_heads, head_dim, block_size,
                                         key_cache.dtype, key_cache.device, max_model_len,
                                         max_num_batched_tokens)
+
+
+def build_matmul_primitives(weights: Iterable[tuple[LinearWeight, int]]) -> int:
+    """Build oneDNN's primitive for every row bucket each prepacked weight can see, given
+    as (weight, most rows it runs); returns how many were built. oneDNN builds one per
+    weight shape and bucket on first use and keeps it (~0.5 MB each, kernels/cpu/onednn.py):
+    served, that grew the bf16 process's RssAnon for its first minutes and again at every
+    batch size it had not met yet (+5.7 MiB / 10 min after a 5-minute warm-up over a
+    30-minute soak, AMX host). Built here, the process starts at the size it would grow
+    to and stays there. Weights on other paths (native panels, GGUF blocks, the row
+    kernel's rows) have nothing to build."""
+    seen: set[tuple] = set()
+    built = 0
+    for weight, max_rows in weights:
+        if weight.packed is None or weight.dense is None or weight.batch_invariant:
+            continue
+        key = (tuple(weight.dense.shape), weight.dense.dtype, weight.bias is not None, max_rows)
+        if key in seen:
+            continue
+        seen.add(key)
+        built += cpu_onednn.build_primitives(weight.dense, weight.packed, weight.bias,
+                                             DENSE_ROWS_MAX + 1, max_rows)
+    return built
 
 
 def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int,

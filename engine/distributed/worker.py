@@ -34,6 +34,7 @@ class CacheSetup:
     block_size: int
     max_num_batched_tokens: int
     max_model_len: int
+    max_num_seqs: int
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -67,6 +68,7 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
                          lora=lora_runtime(loaded, spec.lora, group))
     dispatch.warm_up(runner.kv_caches[0][0], loaded.num_heads, setup.max_model_len,
                      setup.max_num_batched_tokens)
+    runner.build_matmul_primitives(setup.max_num_batched_tokens, setup.max_num_seqs)
     group.barrier()  # ready: rank 0's first step may come
     with torch.inference_mode():
         while True:

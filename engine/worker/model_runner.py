@@ -10,6 +10,7 @@ from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
 from engine.faults import FaultPlan, InjectedFailure
 from engine.models import AttentionMetadata
+from engine.models.layers import Linear
 from engine.models.loader import LoadedModel
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
@@ -229,6 +230,17 @@ class ModelRunner:
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def build_matmul_primitives(self, max_num_tokens: int, max_num_seqs: int) -> int:
+        """oneDNN's primitive for every row count a step can give each prepacked matmul
+        (dispatch.build_matmul_primitives): the layers see up to a step's tokens, the
+        lm_head one row per sequence sampled."""
+        weights = [(module.prepared, max_num_tokens) for module in self.model.modules()
+                   if isinstance(module, Linear) and module.prepared is not None]
+        lm_head = getattr(self.model, "lm_head_prepared", None)
+        if lm_head is not None:
+            weights.append((lm_head, max_num_seqs))
+        return dispatch.build_matmul_primitives(weights)
+
     def warm_up(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:
         """Run a small prefill and a full batch of decodes through `execute` once, before
         serving (as vLLM's dummy run): the first step of a process paid ~0.8 s of MKL and
@@ -238,6 +250,7 @@ class ModelRunner:
         kernel variant reachable within the limits is compiled first."""
         dispatch.warm_up(self.kv_caches[0][0], self.loaded.num_heads, max_model_len,
                          max_num_tokens)
+        self.build_matmul_primitives(max_num_tokens, max_num_seqs)
         bs = self.block_size
         # A FaultPlan counts serving steps only.
         fail_at, self.fail_at_step = self.fail_at_step, 0

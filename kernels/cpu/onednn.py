@@ -44,6 +44,26 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def bucket_rows(min_rows: int, max_rows: int) -> list[int]:
+    """Every row count `padded_rows` computes for min_rows..max_rows rows."""
+    return sorted({padded_rows(rows) for rows in range(max(1, min_rows), max_rows + 1)})
+
+
+def build_primitives(dense: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                     min_rows: int, max_rows: int) -> int:
+    """Run `linear` once for every row bucket from min_rows to max_rows, so oneDNN builds
+    (and caches) those primitives now rather than on the first step of each size; returns
+    how many ran. The primitives are keyed by shape, not by weight, so one layer per
+    shape warms every layer of it."""
+    buckets = bucket_rows(min_rows, max_rows)
+    if not buckets:
+        return 0
+    x = torch.zeros(buckets[-1], dense.shape[1], dtype=dense.dtype)
+    for rows in buckets:
+        torch.ops.mkldnn._linear_pointwise(x[:rows], packed, bias, "none", [], "")
+    return len(buckets)
+
+
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x W^T + b with W as `prepack` laid it out, x's rows padded to their bucket."""
     rows = x.shape[0]

@@ -176,3 +176,41 @@ def test_without_the_native_library_every_kind_gives_the_same_numbers(monkeypatc
     exact = x @ dense.T + bias
     torch.testing.assert_close(fallback["gguf"], exact, rtol=1e-5, atol=1e-5)
     assert float((native["gguf"] - exact).abs().max()) < 0.02 * float(exact.abs().max())
+
+
+def test_matmul_primitives_are_built_once_per_packed_shape_and_row_bucket(monkeypatch):
+    """dispatch.build_matmul_primitives: every bucket above the row kernel's rows, up to
+    each weight's most rows, once per shape and dtype; nothing for weights without a
+    oneDNN copy (native panels, batch-invariant ones, CPUs that cannot pack bf16)."""
+    ran: list[tuple] = []
+    real = cpu_onednn.build_primitives
+
+    def spy(dense, packed, bias, min_rows, max_rows):
+        ran.append((tuple(dense.shape), dense.dtype, min_rows, max_rows))
+        return real(dense, packed, bias, min_rows, max_rows)
+    monkeypatch.setattr(cpu_onednn, "build_primitives", spy)
+    gen = torch.Generator().manual_seed(3)
+    a, b = (dispatch.prepare_linear(torch.randn(48, 32, generator=gen).to(torch.bfloat16), None)
+            for _ in range(2))
+    other = dispatch.prepare_linear(torch.randn(16, 32, generator=gen).to(torch.bfloat16), None)
+    fp32 = dispatch.prepare_linear(torch.randn(48, 32, generator=gen), None)
+    invariant = dispatch.prepare_linear(torch.randn(48, 32, generator=gen).to(torch.bfloat16),
+                                        None, batch_invariant=True)
+    built = dispatch.build_matmul_primitives([(a, 40), (b, 40), (other, 9), (fp32, 40),
+                                              (invariant, 40)])
+    low = dispatch.DENSE_ROWS_MAX + 1
+    expected = [(tuple(w.dense.shape), w.dense.dtype, low, top)
+                for w, top in ((a, 40), (other, 9), (fp32, 40)) if w.packed is not None]
+    assert ran == expected  # b shares a's shape; the invariant weight is never packed
+    assert built == sum(len(cpu_onednn.bucket_rows(low, top)) for *_, top in expected)
+    assert invariant.packed is None
+    assert (a.packed is not None) == cpu_features.detect().can_prepack_bf16
+
+
+def test_every_row_count_lands_in_a_built_bucket():
+    buckets = cpu_onednn.bucket_rows(3, 2048)
+    assert buckets == sorted(set(buckets)) and buckets[0] == 3 and buckets[-1] == 2048
+    for rows in range(3, 2049):
+        padded = cpu_onednn.padded_rows(rows)
+        assert padded in buckets and rows <= padded <= rows * 1.125 + 1
+    assert cpu_onednn.bucket_rows(5, 4) == []

@@ -58,3 +58,62 @@ def test_prepacked_linear_memory_stays_bounded_over_many_row_counts():
     grown = anon_mib() - before
     # Unbucketed: ~512 primitives, ~250 MB here; bucketed: ~56, ~30 MB.
     assert grown < 100, f"512 row counts grew the process by {grown:.0f} MiB"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_built_primitives_leave_nothing_to_grow_while_serving():
+    """build_primitives (the engine's warm-up) makes every bucket's primitive up front:
+    the memory a server would gain over its first minutes of varied batches comes at
+    start, and running every row count afterwards adds (almost) nothing."""
+    from kernels.cpu import onednn
+
+    weights = [torch.randn(56, 36), torch.randn(36, 56)]  # shapes no other test packs
+    if not can_prepack(weights[0]):
+        pytest.skip("no oneDNN prepacking on this CPU")
+    packed = [onednn.prepack(w) for w in weights]
+
+    def anon_mib() -> float:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("RssAnon"))
+        return int(line.split()[1]) / 1024
+
+    def serve(run) -> None:
+        for rows in range(1, 513):
+            for w, p in zip(weights, packed):
+                x = torch.randn(rows, w.shape[1])
+                torch.testing.assert_close(run(x, w, p), F.linear(x, w), atol=1e-4, rtol=1e-4)
+
+    with torch.inference_mode():
+        serve(lambda x, w, p: F.linear(x, w))  # the same tensors without oneDNN: glibc's
+        # arenas grow to hold them first, so they do not count as oneDNN's below
+        before = anon_mib()
+        for w, p in zip(weights, packed):
+            onednn.build_primitives(w, p, None, 1, 512)
+        built = anon_mib() - before
+        before = anon_mib()
+        serve(lambda x, w, p: onednn.linear(x, p, None))
+        served = anon_mib() - before
+    assert built > 10 and served < built / 4, (built, served)
+
+
+def test_the_engines_warm_up_builds_every_matmul_its_steps_can_reach(monkeypatch, tmp_path):
+    """Each layer's matmul up to a step's tokens, the lm_head up to a step's sequences."""
+    from engine import LLM
+    from engine.models.layers import Linear
+    from testing.tiny_model import make_tiny_model_dir
+
+    asked: list[list] = []
+    real = dispatch.build_matmul_primitives
+
+    def spy(weights):
+        weights = list(weights)
+        asked.append(weights)
+        return real(weights)
+    monkeypatch.setattr(dispatch, "build_matmul_primitives", spy)
+    llm = LLM(str(make_tiny_model_dir(tmp_path, arch="llama", seed=2)), dtype="bfloat16",
+              max_num_batched_tokens=96, max_num_seqs=5, num_kv_blocks=64, max_model_len=128)
+    model = llm.llm_engine.runner.model
+    layers = [m.prepared for m in model.modules() if isinstance(m, Linear)]
+    assert len(asked) == 1 and len(layers) == 4 * 2  # qkv, o, gate_up, down; 2 layers
+    assert [(id(w), rows) for w, rows in asked[0]] == (
+        [(id(w), 96) for w in layers] + [(id(model.lm_head_prepared), 5)])
