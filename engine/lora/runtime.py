@@ -23,6 +23,7 @@ class LoRAStepPlan:
     tensor-parallel workers with the step's inputs, and each rank applies it to its own
     (sharded) adapters. Base-model rows are in no group."""
     groups: tuple[tuple[LoRARequest, tuple[tuple[int, int], ...]], ...]
+    num_rows: int | None = None  # the step's token rows, base rows included
 
 
 class LoRARuntime:
@@ -72,7 +73,7 @@ class LoRARuntime:
                     runs.append([start, start + n])
             start += n
         return LoRAStepPlan(tuple((lora, tuple((a, b) for a, b in runs))
-                                  for lora, runs in spans.values()))
+                                  for lora, runs in spans.values()), start)
 
     def apply(self, plan: LoRAStepPlan) -> None:
         """Hand the wrapped layers this step's groups (loading an adapter not loaded)."""
@@ -80,7 +81,8 @@ class LoRARuntime:
             self.clear_step()
             self._decoder.fused_single_decode = self._fused_decode
             return
-        self.batch.segments = make_segments([runs for _, runs in plan.groups], self.device)
+        self.batch.segments = make_segments([runs for _, runs in plan.groups], self.device,
+                                            plan.num_rows)
         self.batch.modules = [self.registry.get(lora).modules for lora, _ in plan.groups]
         self._decoder.fused_single_decode = False
 

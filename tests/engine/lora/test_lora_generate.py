@@ -137,3 +137,41 @@ def test_the_request_trace_names_the_adapter(setup, tmp_path):
     records = [json.loads(line) for line in path.read_text().splitlines()]
     assert sorted(str(r["lora_name"]) for r in records if r["type"] == "request") \
         == ["None", "full"]
+
+
+@pytest.mark.skipif(__import__("kernels.cpu.features", fromlist=["detect"]).detect().isa != "amx",
+                    reason="the stacked LoRA update runs where AMX runs torch's bf16 matmuls")
+def test_bf16_decode_batches_stack_the_adapters_close_to_the_per_segment_update(setup,
+                                                                                monkeypatch):
+    """A decode batch of 36 rows over 2 adapters + base runs one stacked shrink and expand
+    a layer (kernels/dispatch.py). bf16 sums in another order round differently, so a
+    sequence may leave the per-segment update's only where both tokens are among the
+    other's top 5 (vLLM's check_logprobs_close); a wrong update leaves at once."""
+    from kernels import dispatch, lora_ops
+
+    llm = LLM(setup["base"], dtype="bfloat16", num_kv_blocks=256, enable_lora=True,
+              max_loras=2, max_lora_rank=16)
+    prompts, loras, _ = mixed_batch(setup)
+    prompts, loras = prompts * 3, loras * 3
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+    stacked = []
+    real = lora_ops.stacked_lora_add
+    monkeypatch.setattr(lora_ops, "stacked_lora_add",
+                        lambda x, *args: (stacked.append(x.shape[0]), real(x, *args))[1])
+    with_stacking = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert stacked and max(stacked) == len(prompts)
+    monkeypatch.setattr(dispatch, "LORA_STACKED_MIN_ROWS_AMX_BF16", 10 ** 9)
+    count = len(stacked)
+    per_segment = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    assert len(stacked) == count
+    same = 0
+    for a, b in zip(with_stacking, per_segment):
+        a, b = a.outputs[0], b.outputs[0]
+        first = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                     None)
+        if first is None:
+            same += 1
+            continue
+        assert first > 0, "the first token differs"
+        assert a.token_ids[first] in b.logprobs[first] and b.token_ids[first] in a.logprobs[first]
+    assert same >= len(prompts) // 2, f"only {same} of {len(prompts)} sequences equal"
