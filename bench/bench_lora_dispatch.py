@@ -9,7 +9,7 @@ alternated within each repeat, best of --repeats. Prints, per dtype, rank and ro
 microseconds of all four layers on each side and torch / native (> 1: native faster),
 then the smallest row count from which torch is faster at every rank, and the same for
 decode batches spread over several adapters (segments of a few scattered rows each): what
-kernels.dispatch.LORA_TORCH_MIN_ROWS and LORA_STACKED_MIN_ROWS_AMX_BF16 are set from."""
+kernels.dispatch.LORA_TORCH_MIN_ROWS is set from."""
 from __future__ import annotations
 
 import argparse
@@ -20,7 +20,7 @@ import torch
 from kernels import lora_ops
 from kernels.cpu import features as cpu_features
 from kernels.cpu import lora as cpu_lora
-from kernels.lora_ops import lora_layout, make_segments, stack_lora
+from kernels.lora_ops import lora_layout, make_segments
 
 # (in, out, stacked ranks per adapter rank) of the wrapped layers (engine/models/lora_linear.py)
 LAYERS = ((576, 960, 3), (576, 576, 1), (576, 3072, 2), (1536, 576, 1))
@@ -34,7 +34,7 @@ def layer_cases(rows: int, rank: int, dtype: torch.dtype, scattered: bool = Fals
     gen = torch.Generator().manual_seed(rows * 131 + rank)
     runs = ([[(i, i + 1) for i in range(g, rows, 5)] for g in range(min(4, rows))]
             if scattered else [[(0, rows)]])
-    segments = make_segments(runs, num_rows=rows)
+    segments = make_segments(runs)
     cases = []
     for in_features, out_features, stacked in LAYERS:
         r = rank * stacked
@@ -54,12 +54,8 @@ def cpu_seconds(fn) -> float:
 
 
 def measure(rows: int, rank: int, dtype: torch.dtype, repeats: int,
-            scattered: bool = False) -> tuple[float, float, float]:
-    """Microseconds of all four layers: native, torch per segment, and (scattered) the
-    stacked update over every row (its stacked weights built once, as LoRALinear keeps
-    them), or nan."""
+            scattered: bool = False) -> tuple[float, float]:
     segments, cases = layer_cases(rows, rank, dtype, scattered)
-    stacks = [stack_lora(w) for _, _, w in cases]
 
     def native():
         for x, y, w in cases:
@@ -69,21 +65,14 @@ def measure(rows: int, rank: int, dtype: torch.dtype, repeats: int,
         for x, y, w in cases:
             lora_ops.lora_add(x, y, segments, w)
 
-    def stacked():
-        for (x, y, _), stack in zip(cases, stacks):
-            lora_ops.stacked_lora_add(x, y, segments.row_segment, stack)
-
-    sides = [native, reference] + ([stacked] if scattered else [])
-    for side in sides:
-        side()  # warm: the library, torch's kernels, the caches
+    native(), reference()  # warm: the library, torch's kernels, the caches
     # Small cases repeat inside one timing so that thread_time's resolution does not show.
     inner = max(1, 2048 // (rows * rank))
-    best = [float("inf")] * len(sides)
+    best_native = best_torch = float("inf")
     for _ in range(repeats):
-        for i, side in enumerate(sides):
-            best[i] = min(best[i], cpu_seconds(lambda: [side() for _ in range(inner)]))
-    times = [b / inner * 1e6 for b in best] + [float("nan")] * (3 - len(sides))
-    return times[0], times[1], times[2]
+        best_native = min(best_native, cpu_seconds(lambda: [native() for _ in range(inner)]))
+        best_torch = min(best_torch, cpu_seconds(lambda: [reference() for _ in range(inner)]))
+    return best_native / inner * 1e6, best_torch / inner * 1e6
 
 
 def main() -> None:
@@ -106,7 +95,7 @@ def main() -> None:
         print(f"\n{name}: rows  rank  native us   torch us   torch/native")
         for rows in args.rows:
             for rank in args.ranks:
-                native_us, torch_us, _ = measure(rows, rank, dtype, args.repeats)
+                native_us, torch_us = measure(rows, rank, dtype, args.repeats)
                 if torch_us < native_us:
                     torch_wins.setdefault(rows, set()).add(rank)
                 print(f"{'':9}{rows:5d} {rank:5d} {native_us:10.0f} {torch_us:10.0f} "
@@ -115,16 +104,13 @@ def main() -> None:
             torch_wins.get(r, set()) == set(args.ranks) for r in args.rows if r >= rows)), None)
         print(f"{name}: torch faster at every rank from {crossover} rows on"
               if crossover else f"{name}: native faster somewhere up to {args.rows[-1]} rows")
-        print(f"{name}, a decode batch round-robin over 4 adapters + base (segments of rows"
-              " / 5; stacked: one shrink and expand over all rows):\n        rows  rank  "
-              "native us   torch us  stacked us   torch/native  stacked/native")
+        print(f"{name}, a decode batch round-robin over 4 adapters + base "
+              "(segments of rows / 5):\n        rows  rank  native us   torch us   torch/native")
         for rows in args.scattered:
             for rank in args.ranks:
-                native_us, torch_us, stacked_us = measure(rows, rank, dtype, args.repeats,
-                                                          scattered=True)
+                native_us, torch_us = measure(rows, rank, dtype, args.repeats, scattered=True)
                 print(f"{'':9}{rows:5d} {rank:5d} {native_us:10.0f} {torch_us:10.0f} "
-                      f"{stacked_us:11.0f} {torch_us / native_us:14.2f} "
-                      f"{stacked_us / native_us:15.2f}")
+                      f"{torch_us / native_us:10.2f}")
 
 
 if __name__ == "__main__":

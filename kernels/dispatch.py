@@ -26,7 +26,7 @@ Triton module is imported only for CUDA tensors, so CPU deployments never need t
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +44,7 @@ from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
 from kernels.linear_weight import LinearWeight
 # The engine builds a step's segments and lays adapters out through these re-exports.
-from kernels.lora_ops import (LoRASegments, SegmentWeights, StackedLoRA,  # noqa: F401
-                              lora_layout, make_segments, stack_lora)
+from kernels.lora_ops import LoRASegments, SegmentWeights, lora_layout, make_segments  # noqa: F401
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -400,37 +399,6 @@ LORA_TORCH_MIN_ROWS: dict[torch.dtype, int | None] = {torch.float32: 16, torch.b
 LORA_TORCH_MIN_ROWS_AMX_BF16 = 32
 
 
-# A decode batch over several adapters where AMX runs torch's bf16 matmuls: one shrink and
-# one expand over all rows with each row's other adapters zeroed (lora_ops.stacked_lora_add)
-# beat the native kernel's per-segment passes though they compute every adapter for every
-# row: round-robin over 4 adapters + base, SmolLM2's four layers, one thread, stacked /
-# native 1.02-1.58 at 16-24 rows, 0.62-1.04 at 32, 0.47-0.67 at 64, 0.42-0.55 at 128
-# (ranks 8/16/64; bench/bench_lora_dispatch.py, amx host, 2026-12-02). Not on other hosts:
-# 64 rows float32 1.2x slower than native, bf16 capped at avx512_bf16 1.3x slower.
-LORA_STACKED_MIN_ROWS_AMX_BF16 = 32
-# ... and only while the stacked work (all rows x every adapter's rank) is at most this
-# many times the segments' own; 4 adapters + base rows: ~5.
-LORA_STACKED_MAX_WASTE = 8
-
-
-def _lora_stacking_pays(x: torch.Tensor, segments: LoRASegments,
-                        weights: SegmentWeights) -> bool:
-    if (x.dtype != torch.bfloat16 or segments.row_segment is None
-            or x.shape[0] < LORA_STACKED_MIN_ROWS_AMX_BF16
-            or cpu_features.detect().isa != "amx"):
-        return False
-    long_rows = lora_torch_min_rows(x.dtype)
-    own = total_rank = 0
-    for n, ab in zip(segments.starts.diff().tolist(), weights):
-        if ab is None:
-            continue
-        if long_rows is not None and n >= long_rows:
-            return False  # torch runs that segment alone, without the waste
-        own += n * ab[0].shape[0]
-        total_rank += ab[0].shape[0]
-    return own > 0 and x.shape[0] * total_rank <= LORA_STACKED_MAX_WASTE * own
-
-
 def lora_torch_min_rows(dtype: torch.dtype) -> int | None:
     """The segment length from which torch runs an adapter's update on this host."""
     if dtype == torch.bfloat16 and cpu_features.detect().isa == "amx":
@@ -439,15 +407,12 @@ def lora_torch_min_rows(dtype: torch.dtype) -> int | None:
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
-             weights: SegmentWeights, batch_invariant: bool = False,
-             stacked: Callable[[], StackedLoRA | None] | None = None) -> None:
+             weights: SegmentWeights, batch_invariant: bool = False) -> None:
     """y[rows of segment g] += (x[rows of g] A_g^T) B_g^T in place: a step's LoRA update
     for one layer, every adapter group at once (kernels/lora_ops.py defines it).
     CUDA: the segmented Triton kernel; CPU: the native one (float32 / bf16, unit column
     strides) for segments shorter than lora_torch_min_rows, torch's shrink and expand for
-    the longer ones (a long prefill's) and for what the native kernel does not take; on
-    AMX, decode batches of short bf16 segments as one stacked shrink and expand
-    (`stacked` gives the layer's StackedLoRA of these weights, which the caller keeps).
+    the longer ones (a long prefill's) and for what the native kernel does not take.
     `batch_invariant` (CPU): the native kernel for every segment, whose sums run each row
     alone in a fixed order whatever rows share its segment, else torch one row at a time."""
     if batch_invariant and not x.is_cuda:
@@ -459,11 +424,6 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
             from kernels.triton import lora as triton_lora
             triton_lora.lora_add(x, y, segments, weights)
             return
-    elif stacked is not None and _lora_stacking_pays(x, segments, weights):
-        layer = stacked()
-        if layer is not None:
-            lora_ops.stacked_lora_add(x, y, segments.row_segment, layer)
-        return
     else:
         short, long = split_lora_segments(x, segments, weights)
         if long is None:

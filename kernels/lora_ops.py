@@ -25,8 +25,6 @@ class LoRASegments:
     starts: torch.Tensor  # int64 [num_segments + 1], on the CPU
     row_sets: tuple[slice | torch.Tensor, ...]
     max_rows: int  # of one segment (the Triton launch's grid)
-    # int64 [the step's rows]: each row's segment, -1 for base rows; given num_rows
-    row_segment: torch.Tensor | None = None
 
     @property
     def num_segments(self) -> int:
@@ -39,9 +37,8 @@ def lora_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def make_segments(runs: Sequence[Sequence[tuple[int, int]]],
-                  device: torch.device | str = "cpu", num_rows: int | None = None) -> LoRASegments:
-    """Segments from each adapter's runs of rows [(start, end), ...]; with `num_rows`
-    (the step's rows, base rows included) also each row's segment."""
+                  device: torch.device | str = "cpu") -> LoRASegments:
+    """Segments from each adapter's runs of rows [(start, end), ...]."""
     row_sets: list[slice | torch.Tensor] = []
     pieces, starts = [], [0]
     for group in runs:
@@ -52,47 +49,8 @@ def make_segments(runs: Sequence[Sequence[tuple[int, int]]],
                         else index.to(device))
     rows = torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int64)
     max_rows = max((b - a for a, b in zip(starts, starts[1:])), default=0)
-    row_segment = None
-    if num_rows is not None:
-        row_segment = torch.full((num_rows,), -1, dtype=torch.int64)
-        for g, group in enumerate(runs):
-            for a, b in group:
-                row_segment[a:b] = g
-        row_segment = row_segment.to(device)
     return LoRASegments(rows.to(device), torch.tensor(starts, dtype=torch.int64),
-                        tuple(row_sets), max_rows, row_segment)
-
-
-@dataclass(frozen=True, slots=True)
-class StackedLoRA:
-    """Every segment's adapter for one layer side by side: A stacked [sum of ranks, in],
-    B [out, sum of ranks], and the segment each rank column belongs to (segments without
-    an update for the layer have no columns)."""
-    a: torch.Tensor
-    b: torch.Tensor
-    column_segment: torch.Tensor  # int64 [sum of ranks]
-
-
-def stack_lora(weights: SegmentWeights) -> StackedLoRA | None:
-    """The StackedLoRA of a step's segment weights; None if no segment has an update."""
-    present = [(g, ab) for g, ab in enumerate(weights) if ab is not None]
-    if not present:
-        return None
-    a = torch.cat([ab[0] for _, ab in present])
-    b = torch.cat([ab[1] for _, ab in present], dim=1)
-    column_segment = torch.cat([torch.full((ab[0].shape[0],), g, dtype=torch.int64)
-                                for g, ab in present]).to(a.device)
-    return StackedLoRA(a, b, column_segment)
-
-
-def stacked_lora_add(x: torch.Tensor, y: torch.Tensor, row_segment: torch.Tensor,
-                     stacked: StackedLoRA) -> None:
-    """The same update as lora_add with one shrink and one expand over all rows: each
-    row's shrink keeps only its own adapter's rank columns (the others, and every column
-    of a base row, are zeroed), so the expand adds only its adapter's update."""
-    t = x @ stacked.a.t()
-    t.mul_(row_segment[:, None] == stacked.column_segment[None, :])
-    y.addmm_(t, stacked.b.t())
+                        tuple(row_sets), max_rows)
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,

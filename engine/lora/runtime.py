@@ -23,7 +23,6 @@ class LoRAStepPlan:
     tensor-parallel workers with the step's inputs, and each rank applies it to its own
     (sharded) adapters. Base-model rows are in no group."""
     groups: tuple[tuple[LoRARequest, tuple[tuple[int, int], ...]], ...]
-    num_rows: int | None = None  # the step's token rows, base rows included
 
 
 class LoRARuntime:
@@ -73,7 +72,7 @@ class LoRARuntime:
                     runs.append([start, start + n])
             start += n
         return LoRAStepPlan(tuple((lora, tuple((a, b) for a, b in runs))
-                                  for lora, runs in spans.values()), start)
+                                  for lora, runs in spans.values()))
 
     def apply(self, plan: LoRAStepPlan) -> None:
         """Hand the wrapped layers this step's groups (loading an adapter not loaded)."""
@@ -81,8 +80,7 @@ class LoRARuntime:
             self.clear_step()
             self._decoder.fused_single_decode = self._fused_decode
             return
-        self.batch.segments = make_segments([runs for _, runs in plan.groups], self.device,
-                                            plan.num_rows)
+        self.batch.segments = make_segments([runs for _, runs in plan.groups], self.device)
         self.batch.modules = [self.registry.get(lora).modules for lora, _ in plan.groups]
         self._decoder.fused_single_decode = False
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.models.layers import Linear
 from kernels import dispatch
-from kernels.dispatch import LoRASegments, StackedLoRA, lora_layout, stack_lora
+from kernels.dispatch import LoRASegments, lora_layout
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,17 +59,6 @@ class LoRALinear(nn.Module):
         self.base = base
         self.name = name
         self.batch = batch
-        # The last step's adapters' update for this layer stacked (dispatch.lora_add may
-        # run it as one shrink and expand): decode steps repeat one set of adapters.
-        self._stacked_for: tuple = ()
-        self._stacked: StackedLoRA | None = None
-
-    def _stack(self, modules: tuple) -> StackedLoRA | None:
-        if len(modules) != len(self._stacked_for) or any(
-                m is not k for m, k in zip(modules, self._stacked_for)):
-            self._stacked = stack_lora([None if m is None else (m.a, m.b) for m in modules])
-            self._stacked_for = modules
-        return self._stacked
 
     def kernel_weight(self):
         # The native single-sequence decode reads the base weights; the runtime lets it
@@ -84,12 +73,13 @@ class LoRALinear(nn.Module):
         y = self.base.forward(x) if partial is None else partial(x)
         segments = self.batch.segments
         if segments is not None:
-            modules = tuple(modules.get(self.name) for modules in self.batch.modules)
-            weights = [None if m is None else (m.a, m.b) for m in modules]
+            weights = []
+            for modules in self.batch.modules:
+                module = modules.get(self.name)
+                weights.append(None if module is None else (module.a, module.b))
             # The base layer's kernels were chosen batch-invariant or not at load; the
             # update follows them.
-            dispatch.lora_add(x, y, segments, weights, self.base.kernel_weight().batch_invariant,
-                              stacked=lambda: self._stack(modules))
+            dispatch.lora_add(x, y, segments, weights, self.base.kernel_weight().batch_invariant)
         return y if partial is None else self.base.reduce(y)
 
 

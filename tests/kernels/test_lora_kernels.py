@@ -10,8 +10,7 @@ import torch
 from kernels import dispatch
 from kernels.cpu import features as cpu_features
 from kernels.cpu import lora as cpu_lora
-from kernels import lora_ops
-from kernels.lora_ops import lora_add, lora_layout, make_segments, stack_lora, stacked_lora_add
+from kernels.lora_ops import lora_add, lora_layout, make_segments
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4),
              torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
@@ -129,7 +128,6 @@ def test_dispatch_sends_each_segment_to_its_side_of_the_row_threshold(monkeypatc
     native."""
     threshold = dispatch.lora_torch_min_rows(dtype)
     amx = cpu_features.detect().isa == "amx"
-    monkeypatch.setattr(dispatch, "LORA_STACKED_MIN_ROWS_AMX_BF16", 16)  # the rule, on 23 rows
     assert threshold == (dispatch.LORA_TORCH_MIN_ROWS_AMX_BF16 if dtype == torch.bfloat16 and amx
                          else dispatch.LORA_TORCH_MIN_ROWS[dtype])
     short, long = (threshold - 1, threshold) if threshold else (15, 600)
@@ -158,49 +156,3 @@ def test_dispatch_sends_each_segment_to_its_side_of_the_row_threshold(monkeypatc
         assert native_calls == expected_calls, name
         torch.testing.assert_close(got, _reference(x, y, segments, weights[:len(runs)]),
                                    **TOLERANCE[dtype], msg=name)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_stacked_update_matches_torch(dtype):
-    """One shrink and expand over all rows, each row keeping only its adapter's columns."""
-    x, y, weights = _case(dtype, 64, 48, (16, None, 3))
-    segments = make_segments(RUNS, num_rows=23)
-    assert segments.row_segment.tolist() == ([0] * 3 + [-1] * 3 + [1] * 3 + [2] * 3 + [0] * 8
-                                             + [-1] * 3)
-    expected = _reference(x, y, segments, weights)
-    got = y.clone()
-    stacked_lora_add(x, got, segments.row_segment, stack_lora(weights))
-    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
-    untouched = list(range(3, 9)) + list(range(20, 23))  # base rows; segment 1 has no update
-    assert torch.equal(got[untouched], y[untouched])
-    assert stack_lora([None, None]) is None
-    assert make_segments(RUNS).row_segment is None
-
-
-def test_dispatch_stacks_short_bf16_segments_only_where_amx_runs_torch(monkeypatch):
-    stacked: list[int] = []
-    real = lora_ops.stacked_lora_add
-    monkeypatch.setattr(lora_ops, "stacked_lora_add",
-                        lambda x, *args: (stacked.append(x.shape[0]), real(x, *args))[1])
-    amx = cpu_features.detect().isa == "amx"
-    monkeypatch.setattr(dispatch, "LORA_STACKED_MIN_ROWS_AMX_BF16", 16)  # the rule, on 23 rows
-
-    def run(dtype, runs, num_rows, expect_stacked):
-        x, y, weights = _case(dtype, 64, 48, (16, None, 3))
-        x, y = x[:num_rows], y[:num_rows]
-        segments = make_segments(runs, num_rows=num_rows)
-        got = y.clone()
-        before = len(stacked)
-        dispatch.lora_add(x, got, segments, weights, stacked=lambda: stack_lora(weights))
-        assert (len(stacked) > before) == expect_stacked, (dtype, runs, num_rows)
-        torch.testing.assert_close(got, _reference(x, y, segments, weights), **TOLERANCE[dtype])
-
-    run(torch.bfloat16, RUNS, 23, amx)  # segments of 11, 3 and 3 rows: short
-    run(torch.float32, RUNS, 23, False)  # float32: the native kernel is faster
-    run(torch.bfloat16, [[(0, 9)], [(9, 12)], [(12, 15)]], 15, False)  # under 16 rows
-    # one segment of 2 rows among 23: stacking would compute 9x its work
-    run(torch.bfloat16, [[(0, 2)], [(2, 3)], [(3, 4)]], 23, False)
-    # a segment torch runs alone (here from 12 rows): no stacking beside it
-    monkeypatch.setitem(dispatch.LORA_TORCH_MIN_ROWS, torch.bfloat16, 12)
-    monkeypatch.setattr(dispatch, "LORA_TORCH_MIN_ROWS_AMX_BF16", 12)
-    run(torch.bfloat16, [[(0, 2)], [(2, 5)], [(5, 23)]], 23, False)
