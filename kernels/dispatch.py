@@ -392,11 +392,11 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
 # ranks 8/16, torch 1.25-1.6x from 16. bf16: native 1.5-13x faster at every row count to
 # 4096 (torch's bf16 matmuls have no bf16 unit to run on here). Not measured on AVX-512.
 LORA_TORCH_MIN_ROWS: dict[torch.dtype, int | None] = {torch.float32: 16, torch.bfloat16: None}
-# bf16 where AMX runs torch's matmuls (oneDNN on the tiles): one segment, torch 1.6-14x
-# faster from 32 rows at ranks 8/16/64 (0.5-0.6 at 32 rows, 0.07-0.2 from 256); a decode
-# batch over 4 adapters + base: native 1.0-4.5x faster for segments of 2-16 rows at ranks
-# 8/16 (bench/bench_lora_dispatch.py, one thread, amx host, 2026-12-02).
-LORA_TORCH_MIN_ROWS_AMX_BF16 = 32
+# bf16 where AMX runs torch's matmuls (oneDNN on the tiles), against the native kernel's
+# 16-lane build: one segment, torch / native 1.01-2.25 at 16 rows, 0.59-1.62 at 32, 0.43-1.18
+# at 64 (rank 8 is the 1.18), 0.30-0.76 from 128 (ranks 8/16/64; bench/bench_lora_dispatch.py,
+# one thread, amx host, 2026-12-02). From 64 rows torch wins at ranks 16 and up.
+LORA_TORCH_MIN_ROWS_AMX_BF16 = 64
 
 
 def lora_torch_min_rows(dtype: torch.dtype) -> int | None:

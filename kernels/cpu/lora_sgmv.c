@@ -6,81 +6,108 @@
  * Why: the torch path costs four small ops per group per layer (gather, shrink, expand,
  * scatter-add), ~120 layers a step; at decode sizes their dispatch overhead, not their
  * arithmetic (rank 16 is ~9% of SmolLM2's base FLOPs), is what a step pays. Here rows go
- * four at a time through one read of A and of B^T (both stay in cache across a segment):
+ * ROWS (4 or 8) at a time through one read of A and of B^T (both stay in cache across a segment):
  * the shrink is dot products over `in`, the expand a broadcast FMA over `out` per rank,
  * so neither needs a horizontal sum per output.
  *
  * float32 or bf16 activations and weights (the base model's dtype), float32 sums; in
  * bf16 the shrink result and the update are rounded to bf16 as torch's bf16 matmuls
- * round theirs. GCC vector extensions (vec8.h): AVX2/FMA, AVX-512 or SSE code from the
- * build's -march (the detected ISA), plain C where there is no vector unit. */
+ * round theirs. GCC vector extensions: AVX-512, AVX2/FMA or SSE code from the build's
+ * -march (the detected ISA), plain C where there is no vector unit. */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
-#include "vec8.h"
 
 #define LORA_MAX_RANK 1024
 #define LORA_MAX_IN 16384
+
+/* 16 lanes and 8 rows a pass where the build has AVX-512 (32 vector registers), else 8
+ * lanes and 4 rows: 1.6-2x the 8-lane kernel on an AMX host's AVX-512 units
+ * (bench/bench_lora_dispatch.py). */
+#ifdef __AVX512F__
+#define VW 16
+#define ROWS 8
+#else
+#define VW 8
 #define ROWS 4
+#endif
 
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint16_t vh __attribute__((vector_size(VW * 2)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
 
-static inline v8f widen8(const uint16_t *p) {
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    v8u w = __builtin_convertvector(h, v8u) << 16;
-    v8f f;
-    memcpy(&f, &w, sizeof f);
-    return f;
+static inline vf loadf(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
 }
 
-static inline v8f ld8(const void *p, int64_t i, int bf16) {
-    return bf16 ? widen8((const uint16_t *)p + i) : load8((const float *)p + i);
+static inline vf widen(const uint16_t *p) {
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vu) << 16);
+}
+
+/* bf16.h's f32_to_bf16, every lane */
+static inline vh narrow(vf f) {
+    const vu u = (vu)f;
+    return __builtin_convertvector((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16, vh);
+}
+
+static inline vf ldv(const void *p, int64_t i, int bf16) {
+    return bf16 ? widen((const uint16_t *)p + i) : loadf((const float *)p + i);
 }
 
 static inline float ld1(const void *p, int64_t i, int bf16) {
     return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
 }
 
+static inline float hsumv(vf v) {
+    float s = 0.f;
+    for (int i = 0; i < VW; i++) s += v[i];
+    return s;
+}
+
 /* Up to ROWS rows of one segment: xs[r] their float32 inputs, ys[r] their outputs. */
 static inline void rows_update(float *const *xs, void *const *ys, int n, const void *a,
                                const void *bt, int rank, int64_t in, int64_t out, int bf16) {
     float t[ROWS][LORA_MAX_RANK];
-    const int64_t in8 = in & ~(int64_t)7, out8 = out & ~(int64_t)7;
+    const int64_t inv = in - in % VW, outv = out - out % VW;
     for (int k = 0; k < rank; k++) {
-        v8f acc[ROWS] = {{0}};
+        vf acc[ROWS] = {{0}};
         const int64_t base = k * in;
-        for (int64_t i = 0; i < in8; i += 8) {
-            const v8f av = ld8(a, base + i, bf16);
-            for (int r = 0; r < n; r++) acc[r] += av * load8(xs[r] + i);
+        for (int64_t i = 0; i < inv; i += VW) {
+            const vf av = ldv(a, base + i, bf16);
+            for (int r = 0; r < n; r++) acc[r] += av * loadf(xs[r] + i);
         }
         for (int r = 0; r < n; r++) {
-            float s = hsum(acc[r]);
-            for (int64_t i = in8; i < in; i++) s += ld1(a, base + i, bf16) * xs[r][i];
+            float s = hsumv(acc[r]);
+            for (int64_t i = inv; i < in; i++) s += ld1(a, base + i, bf16) * xs[r][i];
             t[r][k] = bf16 ? round_bf16(s) : s;
         }
     }
-    for (int64_t o = 0; o < out8; o += 8) {
-        v8f acc[ROWS] = {{0}};
+    for (int64_t o = 0; o < outv; o += VW) {
+        vf acc[ROWS] = {{0}};
         for (int k = 0; k < rank; k++) {
-            const v8f bv = ld8(bt, k * out + o, bf16);
+            const vf bv = ldv(bt, k * out + o, bf16);
             for (int r = 0; r < n; r++) acc[r] += bv * t[r][k];
         }
         for (int r = 0; r < n; r++) {
             if (bf16) {
                 uint16_t *y = (uint16_t *)ys[r] + o;
-                for (int j = 0; j < 8; j++)
-                    y[j] = f32_to_bf16(bf16_to_f32(y[j]) + round_bf16(acc[r][j]));
+                const vh update = narrow(acc[r]);  /* the update rounded to bf16, as torch */
+                const vf sum = widen(y) + (vf)(__builtin_convertvector(update, vu) << 16);
+                const vh packed = narrow(sum);
+                memcpy(y, &packed, sizeof packed);
             } else {
                 float *y = (float *)ys[r] + o;
-                v8f yv = load8(y) + acc[r];
+                const vf yv = loadf(y) + acc[r];
                 memcpy(y, &yv, sizeof yv);
             }
         }
     }
-    for (int64_t o = out8; o < out; o++) {
+    for (int64_t o = outv; o < out; o++) {
         for (int r = 0; r < n; r++) {
             float s = 0.f;
             for (int k = 0; k < rank; k++) s += ld1(bt, k * out + o, bf16) * t[r][k];
