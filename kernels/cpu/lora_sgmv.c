@@ -6,9 +6,9 @@
  * Why: the torch path costs four small ops per group per layer (gather, shrink, expand,
  * scatter-add), ~120 layers a step; at decode sizes their dispatch overhead, not their
  * arithmetic (rank 16 is ~9% of SmolLM2's base FLOPs), is what a step pays. Here rows go
- * ROWS (4 or 8) at a time through one read of A and of B^T (both stay in cache across a segment):
- * the shrink is dot products over `in`, the expand a broadcast FMA over `out` per rank,
- * so neither needs a horizontal sum per output.
+ * ROWS (4 or 8) at a time through one read of A and of B^T (both stay in cache across a
+ * segment): the shrink is dot products over `in`, the expand a broadcast FMA over `out`
+ * per rank, so neither needs a horizontal sum per output.
  *
  * float32 or bf16 activations and weights (the base model's dtype), float32 sums; in
  * bf16 the shrink result and the update are rounded to bf16 as torch's bf16 matmuls
@@ -43,10 +43,12 @@ static inline vf loadf(const float *p) {
     return v;
 }
 
+static inline vf widen_bits(vh h) { return (vf)(__builtin_convertvector(h, vu) << 16); }
+
 static inline vf widen(const uint16_t *p) {
     vh h;
     memcpy(&h, p, sizeof h);
-    return (vf)(__builtin_convertvector(h, vu) << 16);
+    return widen_bits(h);
 }
 
 /* bf16.h's f32_to_bf16, every lane */
@@ -96,8 +98,8 @@ static inline void rows_update(float *const *xs, void *const *ys, int n, const v
         for (int r = 0; r < n; r++) {
             if (bf16) {
                 uint16_t *y = (uint16_t *)ys[r] + o;
-                const vh update = narrow(acc[r]);  /* the update rounded to bf16, as torch */
-                const vf sum = widen(y) + (vf)(__builtin_convertvector(update, vu) << 16);
+                /* the update rounded to bf16 first, as torch rounds it */
+                const vf sum = widen(y) + widen_bits(narrow(acc[r]));
                 const vh packed = narrow(sum);
                 memcpy(y, &packed, sizeof packed);
             } else {
