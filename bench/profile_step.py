@@ -1,6 +1,8 @@
 """Where an engine step's CPU time goes, by part, on bench_generate's workloads.
 
   python -m bench.profile_step --workload fixed|variable [--num-prompts N] [--threads 1]
+  python -m bench.profile_step --workload fixed --lora-adapters 4 [--lora-rank 16]
+      (bench_generate's LoRA workload: random adapters + the base, round-robin)
 
 Runs the workload through LLM.generate with each part of a step (the model's kernels
 through kernels.dispatch, input preparation, sampling, scheduler, output processing)
@@ -12,9 +14,11 @@ host does. Steps are split by kind: decodes only, or with prefill rows.
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
 from collections import defaultdict
 from functools import wraps
+from pathlib import Path
 
 import torch
 
@@ -23,7 +27,9 @@ from engine import LLM, SamplingParams
 from engine.models import attention as model_attention
 from engine.models import layers as model_layers
 from engine.models import rope as model_rope
+from engine.lora.runtime import LoRARuntime
 from engine.models.llama import LlamaForCausalLM, LlamaModel
+from engine.models.lora_linear import LoRALinear
 from engine.sample.sampler import Sampler
 from engine.worker.model_runner import ModelRunner
 from kernels import dispatch
@@ -104,6 +110,9 @@ def install(timer: PartTimer) -> None:
         timer.tokens[timer.kind] += out.total_num_scheduled_tokens
         return result
 
+    dispatch.lora_add = w("lora update", dispatch.lora_add)
+    LoRALinear.forward = w("model (python)", LoRALinear.forward)
+    LoRARuntime.set_step = w("lora plan", LoRARuntime.set_step)
     ModelRunner._prepare = w("input prep", prepare_and_classify)
     ModelRunner.execute = w("runner (python)", ModelRunner.execute)
     Sampler.prepare = w("sampling metadata", Sampler.prepare)
@@ -117,11 +126,20 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--lora-adapters", type=int, default=0)
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lora-max-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    lora_args = {} if not args.lora_adapters else {
+        "enable_lora": True, "max_loras": args.lora_adapters,
+        "max_lora_rank": max(16, args.lora_rank)}
     llm = LLM(None, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
-              max_model_len=2048, num_threads=args.threads)
+              max_model_len=2048, num_threads=args.threads, **lora_args)
     w = make_workload(args.workload, llm.get_tokenizer(), count=args.num_prompts)
+    loras = None
+    if args.lora_adapters:
+        loras = _lora_requests(w, args, tmp := tempfile.TemporaryDirectory())
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
     llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()
@@ -134,13 +152,34 @@ def main() -> None:
                                                      engine.scheduler.update_from_output)
     engine.output_processor.process = timer.wrap("outputs", engine.output_processor.process)
     t0, c0 = time.perf_counter(), time.thread_time()
-    llm.generate(w.prompts, params, use_tqdm=False)
+    llm.generate(w.prompts, params, use_tqdm=False, lora_request=loras)
     wall, cpu = time.perf_counter() - t0, time.thread_time() - c0
     print(f"CPU {cpu_features.detect().describe()}, threads={args.threads}, "
           f"dtype={engine.loaded.dtype}, workload {args.workload} x {len(w.prompts)}")
     print(f"{w.total_output} output tokens: {cpu:.1f} s CPU of the engine thread, {wall:.1f} s "
           f"wall ({w.total_output / cpu:.1f} tok per CPU second)")
     timer.report()
+    if loras is not None:
+        print(f"LoRA: {args.lora_adapters} adapters of rank {args.lora_rank} + the base, "
+              f"round-robin over {len(w.prompts)} requests x {w.max_tokens[0]} tokens")
+        tmp.cleanup()
+
+
+def _lora_requests(w, args, tmp) -> list:
+    """bench_generate's LoRA workload on `w` (bench/lora_workload.py): each request's
+    adapter, or None for the base."""
+    from bench.lora_workload import assignment
+    from engine import LoRARequest
+    from engine.models import resolve_model_dir
+    from testing.lora_adapter import make_lora_adapter_dir
+
+    model_dir = resolve_model_dir(None)
+    requests = [LoRARequest(f"a{i}", i + 1, str(make_lora_adapter_dir(
+        model_dir, Path(tmp.name) / f"a{i}", seed=i, r=args.lora_rank, lora_alpha=args.lora_rank)))
+        for i in range(args.lora_adapters)]
+    w.max_tokens = [args.lora_max_tokens] * len(w.prompts)
+    return [None if s is None else requests[s]
+            for s in assignment(len(w.prompts), args.lora_adapters)]
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ BLOCK_SIZE = 16
 # hasher; prints every chain (hex), vLLM's NONE_HASH and its event extra keys.
 VLLM_HASHES = r"""
 import json, sys
+from vllm.lora.request import LoRARequest
 from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils as kcu
@@ -32,9 +33,10 @@ for case in cases:
     fn = get_hash_fn_by_name(case["algo"])
     kcu.init_none_hash(fn)
     hasher = kcu.get_request_block_hasher(case["block_size"], fn)
+    lora = None if case["lora"] is None else LoRARequest(*case["lora"])
     request = Request(request_id="r", prompt_token_ids=case["tokens"],
                       sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
-                      cache_salt=case["salt"], block_hasher=hasher)
+                      cache_salt=case["salt"], block_hasher=hasher, lora_request=lora)
     hashes = list(request.block_hashes)
     bs = case["block_size"]
     extra = [kcu.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, 0)[0]
@@ -54,18 +56,23 @@ print(json.dumps(out))
 """
 
 
-def _cases():
+def _cases(loras=(None,)):
     tokens = [(i * 7919) % 49152 for i in range(5 * BLOCK_SIZE + 3)]  # 5 full blocks + 3
-    return [{"algo": algo, "tokens": tokens, "block_size": BLOCK_SIZE, "salt": salt}
-            for algo in VLLM_ALGOS for salt in (None, "tenant-a")]
+    return [{"algo": algo, "tokens": tokens, "block_size": BLOCK_SIZE, "salt": salt,
+             "lora": lora}
+            for algo in VLLM_ALGOS for salt in (None, "tenant-a") for lora in loras]
 
 
 def _ours(case):
     hasher = BlockHasher(case["algo"])
-    chain = hasher.chain(case["tokens"], case["block_size"], case["salt"])
+    lora = case["lora"]
+    # vLLM's LoRARequest(lora_name, lora_int_id, lora_path) as the engine's
+    # lora_extra_key sees it.
+    lora_key = None if lora is None else ("lora", lora[0], lora[2])
+    chain = hasher.chain(case["tokens"], case["block_size"], case["salt"], lora_key=lora_key)
     return {"hashes": [h.hex() for h in chain], "none_hash": hasher.none_hash.hex(),
             "event_extra_keys": [None if k is None else list(k)
-                                 for k in (event_extra_keys(case["salt"], i)
+                                 for k in (event_extra_keys(case["salt"], i, lora_key)
                                            for i in range(len(chain)))]}
 
 
@@ -89,6 +96,32 @@ def test_block_hashes_equal_vllms_with_pythonhashseed(vllm_side, monkeypatch):
     salted = {c["algo"]: o["hashes"] for c, o in zip(cases, theirs) if c["salt"]}
     plain = {c["algo"]: o["hashes"] for c, o in zip(cases, theirs) if not c["salt"]}
     assert all(salted[a][0] != plain[a][0] for a in VLLM_ALGOS)
+
+
+def test_adapter_blocks_hash_as_vllms(vllm_side, monkeypatch):
+    """A LoRA request's blocks: vLLM hashes ("lora", name, path) into every block (before
+    the salt) and publishes the bare name; our chain and event keys are vLLM's, byte for
+    byte. Two adapters, or one name at two folders, never share a hash, nor with the base."""
+    monkeypatch.setenv("PYTHONHASHSEED", "99")
+    loras = (None, ["alpha", 1, "/adapters/alpha"], ["beta", 2, "/adapters/beta"],
+             ["alpha", 3, "/adapters/alpha-v2"])
+    cases = [c for c in _cases(loras) if c["algo"] in ("sha256_cbor", "xxhash")]
+    theirs = vllm_side.run(VLLM_HASHES, cases, env={"PYTHONHASHSEED": "99"})
+    firsts = {}
+    for case, vllm in zip(cases, theirs):
+        ours = _ours(case)
+        label = f"{case['algo']} salt={case['salt']} lora={case['lora']}"
+        assert ours["hashes"] == vllm["hashes"] == vllm["direct"], label
+        assert ours["event_extra_keys"] == vllm["event_extra_keys"], label
+        if case["lora"] is not None:
+            lora_key = ["lora", case["lora"][0], case["lora"][2]]
+            salt_key = [["cache_salt", case["salt"]]] if case["salt"] else []
+            assert vllm["extra_keys"] == [[lora_key, *salt_key]] + [[lora_key]] * 4, label
+            name = case["lora"][0]
+            assert vllm["event_extra_keys"] == [[name, *([case["salt"]] if case["salt"] else [])]] \
+                + [[name]] * 4, label
+        firsts.setdefault((case["algo"], case["salt"]), set()).add(vllm["hashes"][0])
+    assert all(len(hashes) == len(loras) for hashes in firsts.values())
 
 
 def test_first_parent_without_pythonhashseed_is_vllms_rule(vllm_side, monkeypatch):

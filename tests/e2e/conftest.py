@@ -14,6 +14,7 @@ import pytest
 from backend.repository_layout import copy_repository
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer, free_port
 from tests.e2e.shared import DEFAULT_MODEL_ARGS, FAILURE_STEP, FAULTY_MAX_NUM_SEQS, TINY_ENGINE_ARGS
+from tests.vllm_side import vllm_side  # noqa: F401  (the fixture: vLLM's code reads what a server sent)
 
 @dataclass
 class Server:

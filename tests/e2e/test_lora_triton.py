@@ -7,6 +7,9 @@ enable_lora / max_lora_rank and multi_lora.json beside it in the version folder.
   with it finish unharmed.
 - the OpenAI route: adapters as model ids (--lora-modules), and loaded / unloaded at run
   time (/v1/load_lora_adapter, the model's allow_runtime_lora_updating).
+- KV events: lora_model publishes them; a subscriber decoding with vLLM's own classes
+  finds each adapter's blocks under its name and id, a runtime-loaded one included, with
+  the block hashes vLLM's hasher gives that adapter's request.
 - ensemble: the TensorRT-LLM-style ensemble passes `lora_name` to the token model.
 - no_multi_lora / bad_rank: enable_lora without multi_lora.json, or an adapter above
   max_lora_rank, fail that model's load naming the file or the adapter."""
@@ -19,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
+from backend.triton_server import free_port
 from tests.e2e.shared import TINY_ENGINE_ARGS, assert_loads_fail, loaded, running_server
 from tests.e2e.triton_clients import infer_one, llm_inputs
 
@@ -28,6 +32,7 @@ CONFIG = 'backend: "tle"\ninstance_group [ { count: 1 kind: KIND_MODEL } ]\n'
 METRICS_ON = 'parameters { key: "REPORT_CUSTOM_METRICS" value: { string_value: "true" } }\n'
 PROMPT = "The capital of France is"
 SAMPLING = {"max_tokens": 12, "temperature": 0}
+BLOCK_SIZE = int(TINY_ENGINE_ARGS["block_size"])
 
 
 def _model(repo, name, model_json, multi_lora=None, config=CONFIG):
@@ -51,14 +56,20 @@ def lora_env(tmp_path_factory, tiny_model_dir):
     # In no multi_lora.json: loaded at run time through the OpenAI route; and a folder
     # that is no adapter (its weights file is not safetensors).
     delta = make_lora_adapter_dir(tiny_model_dir, weights / "delta", seed=3, r=8)
+    epsilon = make_lora_adapter_dir(tiny_model_dir, weights / "epsilon", seed=4, r=8)
     broken = weights / "broken"
     broken.mkdir()
     (broken / "adapter_config.json").write_text((alpha / "adapter_config.json").read_text())
     (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
     repo = work / "models"
     base_json = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS, "enforce_eager": "true"}
+    kv_ports = free_port(), free_port()
+    kv_events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{kv_ports[0]}",
+                 "replay_endpoint": f"tcp://*:{kv_ports[1]}", "topic": "kv@lora_model"}
     _model(repo, "lora_model", {**base_json, "enable_lora": "true", "max_lora_rank": 16,
-                                "max_loras": 2, "allow_runtime_lora_updating": True},
+                                "max_loras": 2, "allow_runtime_lora_updating": True,
+                                "prefix_caching_hash_algo": "sha256_cbor",
+                                "kv_events_config": kv_events},
            {"alpha": str(alpha), "beta": str(beta)}, config=CONFIG + METRICS_ON)
     _model(repo, "no_multi_lora", {**base_json, "enable_lora": "true"})
     _model(repo, "bad_rank", {**base_json, "enable_lora": "true", "max_lora_rank": 8},
@@ -95,7 +106,8 @@ def lora_env(tmp_path_factory, tiny_model_dir):
                         ".split(os.pathsep) if p and p not in sys.path]\n" + model_py.read_text())
     with running_server(repo, work, timeout=300) as handle:
         yield dict(server=handle, tiny=str(tiny_model_dir), alpha=str(alpha), beta=str(beta),
-                   delta=str(delta), broken=str(broken))
+                   delta=str(delta), epsilon=str(epsilon), broken=str(broken),
+                   kv_replay_port=kv_ports[1])
 
 
 @pytest.fixture(scope="module")
@@ -290,6 +302,113 @@ def test_openai_route_loads_and_unloads_adapters_at_run_time(lora_env, expected,
     assert [m.id for m in api.models.list().data] == served
     with pytest.raises(openai.NotFoundError):
         api.completions.create(model="delta", prompt=PROMPT, max_tokens=2)
+
+
+# Runs under vLLM's interpreter: each replayed payload decoded by vLLM's KVEventBatch
+# (a layout it does not accept raises), its BlockStored events listed; and each case's
+# block hashes from vLLM's request block hasher, as the ints its publisher sends.
+VLLM_STORED_AND_HASHES = r"""
+import json, sys
+from msgspec.msgpack import Decoder
+from vllm.distributed.kv_events import BlockStored, KVEventBatch
+from vllm.lora.request import LoRARequest
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils as kcu
+from vllm.v1.request import Request
+
+args = json.load(sys.stdin)
+decoder = Decoder(type=KVEventBatch)
+stored = [{f: getattr(e, f) for f in ("block_hashes", "token_ids", "lora_id", "lora_name",
+                                      "extra_keys")}
+          for payload in args["payloads"] for e in decoder.decode(bytes.fromhex(payload)).events
+          if isinstance(e, BlockStored)]
+fn = get_hash_fn_by_name("sha256_cbor")
+kcu.init_none_hash(fn)
+hashes = {}
+for name, case in args["cases"].items():
+    request = Request(request_id=name, prompt_token_ids=case["tokens"],
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                      block_hasher=kcu.get_request_block_hasher(args["block_size"], fn),
+                      lora_request=None if case["lora"] is None else LoRARequest(*case["lora"]))
+    hashes[name] = [kcu.maybe_convert_block_hash(h) for h in request.block_hashes]
+print(json.dumps({"stored": stored, "hashes": hashes}))
+"""
+
+
+def test_kv_events_name_each_adapter_a_runtime_one_included(lora_env, openai_route, vllm_side):
+    """An adapter loaded at run time (/v1/load_lora_adapter), a configured one and the base
+    serve one prompt; the model's KV events, replayed from sequence 0 and decoded by vLLM's
+    KVEventBatch, store each one's prompt blocks under its own lora_name and lora_id, with
+    vLLM's extra keys and the hashes vLLM's own hasher gives a request for that adapter
+    (its name and folder in every block's key), so no two of them share a block. After the
+    runtime adapter is unloaded and loaded again from another folder under its name, its
+    blocks hash anew."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    from tests.engine.core.kv_cache.test_kv_events import _replay_all
+
+    api, url = openai_route
+    prompt = "Adapters keep their own cache blocks, whatever the prompt says. " * 6
+
+    def load(name, path):
+        answer = requests.post(f"{url}/v1/load_lora_adapter", timeout=120,
+                               json={"lora_name": name, "lora_path": path})
+        assert answer.status_code == 200, answer.text
+
+    load("epsilon", lora_env["epsilon"])
+    for model in ("tiny-llama", "alpha", "epsilon"):
+        api.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
+    assert requests.post(f"{url}/v1/unload_lora_adapter", timeout=30,
+                         json={"lora_name": "epsilon"}).status_code == 200
+    load("epsilon", lora_env["delta"])
+    api.completions.create(model="epsilon", prompt=prompt, max_tokens=2, temperature=0)
+
+    tokens = AutoTokenizer.from_pretrained(lora_env["tiny"]).encode(prompt)
+    num_blocks = (len(tokens) - 1) // BLOCK_SIZE  # the last prompt token is computed again
+    assert num_blocks >= 3
+    # vLLM's LoRARequest(name, id, path); its hash keys the name and the folder, not the id.
+    cases = {"base": None, "alpha": ["alpha", 1, lora_env["alpha"]],
+             "epsilon": ["epsilon", 1, lora_env["epsilon"]],
+             "epsilon_again": ["epsilon", 1, lora_env["delta"]]}
+    seed = {"PYTHONHASHSEED": os.environ["PYTHONHASHSEED"]} if "PYTHONHASHSEED" in os.environ else {}
+    # The publisher sends a step's batch a moment after the step: ask again until the
+    # last request's blocks are in.
+    deadline = time.monotonic() + 15
+    while True:
+        payloads = [payload.hex() for _, payload in
+                    _replay_all(lora_env["kv_replay_port"], 0, topic=b"kv@lora_model")]
+        got = vllm_side.run(VLLM_STORED_AND_HASHES, {
+            "payloads": payloads, "block_size": BLOCK_SIZE,
+            "cases": {k: {"tokens": tokens, "lora": v} for k, v in cases.items()}}, env=seed)
+        by_hash = {h: (event, i) for event in got["stored"]
+                   for i, h in enumerate(event["block_hashes"])}
+        if all(h in by_hash for chain in got["hashes"].values() for h in chain[:num_blocks]) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    ids = {}
+    for name, lora in cases.items():
+        chain = got["hashes"][name][:num_blocks]
+        assert all(h in by_hash for h in chain), f"{name}: its prompt blocks were not stored"
+        for index, block_hash in enumerate(chain):
+            event, i = by_hash[block_hash]
+            assert event["token_ids"][i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE] \
+                == tokens[index * BLOCK_SIZE:(index + 1) * BLOCK_SIZE], name
+            assert event["lora_name"] == (None if lora is None else lora[0]), name
+            keys = (event["extra_keys"] or [None] * (i + 1))[i]
+            assert keys == (None if lora is None else [lora[0]]), name
+            ids.setdefault(name, set()).add(event["lora_id"])
+    assert ids["base"] == {None}
+    assert all(len(v) == 1 and None not in v for k, v in ids.items() if k != "base"), ids
+    # Every adapter, and one name at two folders, keeps an id of its own.
+    assert len({next(iter(v)) for v in ids.values()}) == len(cases)
+    first_blocks = [got["hashes"][name][0] for name in cases]
+    assert len(set(first_blocks)) == len(cases)
+    assert requests.post(f"{url}/v1/unload_lora_adapter", timeout=30,
+                         json={"lora_name": "epsilon"}).status_code == 200
 
 
 def test_ensemble_clients_send_lora_name(lora_env, expected):
