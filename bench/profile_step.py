@@ -24,10 +24,10 @@ import torch
 
 from bench.bench_generate import make_workload
 from engine import LLM, SamplingParams
+from engine.lora.runtime import LoRARuntime
 from engine.models import attention as model_attention
 from engine.models import layers as model_layers
 from engine.models import rope as model_rope
-from engine.lora.runtime import LoRARuntime
 from engine.models.llama import LlamaForCausalLM, LlamaModel
 from engine.models.lora_linear import LoRALinear
 from engine.sample.sampler import Sampler
@@ -137,9 +137,8 @@ def main() -> None:
     llm = LLM(None, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
               max_model_len=2048, num_threads=args.threads, **lora_args)
     w = make_workload(args.workload, llm.get_tokenizer(), count=args.num_prompts)
-    loras = None
-    if args.lora_adapters:
-        loras = _lora_requests(w, args, tmp := tempfile.TemporaryDirectory())
+    tmp = tempfile.TemporaryDirectory() if args.lora_adapters else None
+    loras = None if tmp is None else _lora_requests(w, args, Path(tmp.name))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
     llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()
@@ -159,15 +158,15 @@ def main() -> None:
     print(f"{w.total_output} output tokens: {cpu:.1f} s CPU of the engine thread, {wall:.1f} s "
           f"wall ({w.total_output / cpu:.1f} tok per CPU second)")
     timer.report()
-    if loras is not None:
+    if tmp is not None:
         print(f"LoRA: {args.lora_adapters} adapters of rank {args.lora_rank} + the base, "
               f"round-robin over {len(w.prompts)} requests x {w.max_tokens[0]} tokens")
         tmp.cleanup()
 
 
-def _lora_requests(w, args, tmp) -> list:
-    """bench_generate's LoRA workload on `w` (bench/lora_workload.py): each request's
-    adapter, or None for the base."""
+def _lora_requests(w, args, folder: Path) -> list:
+    """bench_generate's LoRA workload on `w` (bench/lora_workload.py), its adapters written
+    under `folder`: each request's adapter, or None for the base."""
     from bench.lora_workload import assignment
     from engine import LoRARequest
     from engine.models import resolve_model_dir
@@ -175,7 +174,7 @@ def _lora_requests(w, args, tmp) -> list:
 
     model_dir = resolve_model_dir(None)
     requests = [LoRARequest(f"a{i}", i + 1, str(make_lora_adapter_dir(
-        model_dir, Path(tmp.name) / f"a{i}", seed=i, r=args.lora_rank, lora_alpha=args.lora_rank)))
+        model_dir, folder / f"a{i}", seed=i, r=args.lora_rank, lora_alpha=args.lora_rank)))
         for i in range(args.lora_adapters)]
     w.max_tokens = [args.lora_max_tokens] * len(w.prompts)
     return [None if s is None else requests[s]

@@ -10,6 +10,7 @@ explicit model control mode, which a model needs to unload itself).
 from __future__ import annotations
 
 import queue
+import subprocess
 import threading
 import time
 
@@ -30,6 +31,7 @@ FORCED_TOKENS = 100  # ~0.5 s per pair of sequences here: nothing finishes durin
 # request's decode steps take ~1 ms on the tiny model (one native call a step), and at 5
 # the loop sometimes died (and the model unloaded) before the third request arrived.
 DIE_AT_STEP = 30
+CRASH_GRACE_S = 2.0  # how long _Servers waits for a crash before reusing the server
 MODELS = {
     "llm_small_queue": {"MAX_QUEUE_LEN": str(MAX_QUEUE_LEN), "max_num_seqs": str(MAX_NUM_SEQS)},
     "llm_loop_dies": {"INJECT_LOOP_FAILURE_AT_STEP": str(DIE_AT_STEP)},
@@ -50,6 +52,13 @@ class _Servers:
         self._context = self.handle = None
 
     def live(self) -> TritonServer:
+        if self.handle is not None:
+            # The crash can land a moment after the last test's answer (a full suite run
+            # once saw the next test's streams closed under it): give it that moment.
+            try:
+                self.handle.process.wait(timeout=CRASH_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
         if self.handle is not None and self.handle.process.poll() is not None:
             print(f"tritonserver died (exit {self.handle.process.returncode}); log: "
                   f"{self.handle.log_path}; starting it again")
