@@ -29,6 +29,27 @@ def assignment(count: int, num_adapters: int) -> list[int | None]:
     return [slots[i % len(slots)] for i in range(count)]
 
 
+def make_adapters(model_dir, folder: Path, count: int, rank: int) -> list[LoRARequest]:
+    """`count` random PEFT adapters of `rank` (alpha = rank) for the model, written under
+    `folder` as a0, a1, ..."""
+    from testing.lora_adapter import make_lora_adapter_dir
+
+    return [LoRARequest(f"a{i}", i + 1, str(make_lora_adapter_dir(
+        model_dir, folder / f"a{i}", seed=i, r=rank, lora_alpha=rank))) for i in range(count)]
+
+
+def engine_lora_args(count: int, rank: int) -> dict:
+    """The engine arguments that serve `count` adapters of `rank` in one step."""
+    return {"enable_lora": True, "max_loras": count, "max_lora_rank": max(16, rank)}
+
+
+def per_request(requests: list[LoRARequest], num_requests: int
+                ) -> tuple[list[int | None], list[LoRARequest | None]]:
+    """(each request's adapter index, and its LoRARequest), None for the base."""
+    slots = assignment(num_requests, len(requests))
+    return slots, [None if s is None else requests[s] for s in slots]
+
+
 def timed(llm: LLM, w, loras, repeat: int) -> float:
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
     llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
@@ -43,24 +64,18 @@ def timed(llm: LLM, w, loras, repeat: int) -> float:
 
 
 def run_lora(args, engine_args: dict, make_workload) -> None:
-    from testing.lora_adapter import make_lora_adapter_dir
-
     model_dir = resolve_model_dir(args.model)
     # Two engines side by side: a 1 GiB pool each holds the batch (64 x ~200 tokens).
     engine_args = {**engine_args, "kv_cache_memory_bytes": 1 << 30}
     k, rank = args.lora_adapters, args.lora_rank
     with tempfile.TemporaryDirectory() as tmp:
-        folders = [make_lora_adapter_dir(model_dir, Path(tmp) / f"a{i}", seed=i, r=rank,
-                                         lora_alpha=rank) for i in range(k)]
-        requests = [LoRARequest(f"a{i}", i + 1, str(f)) for i, f in enumerate(folders)]
+        requests = make_adapters(model_dir, Path(tmp), k, rank)
         base = LLM(args.model, **engine_args)
         dtype = str(base.llm_engine.loaded.dtype).removeprefix("torch.")
         w = make_workload("fixed", base.get_tokenizer(), count=args.num_prompts)
         w.max_tokens = [args.lora_max_tokens] * len(w.prompts)
-        slots = assignment(len(w.prompts), k)
-        loras = [None if s is None else requests[s] for s in slots]
-        mixed = LLM(args.model, enable_lora=True, max_loras=k, max_lora_rank=max(16, rank),
-                    **engine_args)
+        slots, loras = per_request(requests, len(w.prompts))
+        mixed = LLM(args.model, **engine_lora_args(k, rank), **engine_args)
         figs: dict[str, float] = {}
 
         def record(label: str, value: float | None) -> None:

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.bench_generate import make_workload
+from bench.lora_workload import engine_lora_args, make_adapters, per_request
 from engine import LLM, SamplingParams
 from engine.lora.runtime import LoRARuntime
 from engine.models import attention as model_attention
@@ -131,9 +132,8 @@ def main() -> None:
     ap.add_argument("--lora-max-tokens", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    lora_args = {} if not args.lora_adapters else {
-        "enable_lora": True, "max_loras": args.lora_adapters,
-        "max_lora_rank": max(16, args.lora_rank)}
+    lora_args = {} if not args.lora_adapters else engine_lora_args(args.lora_adapters,
+                                                                   args.lora_rank)
     llm = LLM(None, dtype=args.dtype, max_num_seqs=64, max_num_batched_tokens=2048,
               max_model_len=2048, num_threads=args.threads, **lora_args)
     w = make_workload(args.workload, llm.get_tokenizer(), count=args.num_prompts)
@@ -167,18 +167,11 @@ def main() -> None:
 def _lora_requests(w, args, folder: Path) -> list:
     """bench_generate's LoRA workload on `w` (bench/lora_workload.py), its adapters written
     under `folder`: each request's adapter, or None for the base."""
-    from bench.lora_workload import assignment
-    from engine import LoRARequest
     from engine.models import resolve_model_dir
-    from testing.lora_adapter import make_lora_adapter_dir
 
-    model_dir = resolve_model_dir(None)
-    requests = [LoRARequest(f"a{i}", i + 1, str(make_lora_adapter_dir(
-        model_dir, folder / f"a{i}", seed=i, r=args.lora_rank, lora_alpha=args.lora_rank)))
-        for i in range(args.lora_adapters)]
+    requests = make_adapters(resolve_model_dir(None), folder, args.lora_adapters, args.lora_rank)
     w.max_tokens = [args.lora_max_tokens] * len(w.prompts)
-    return [None if s is None else requests[s]
-            for s in assignment(len(w.prompts), args.lora_adapters)]
+    return per_request(requests, len(w.prompts))[1]
 
 
 if __name__ == "__main__":

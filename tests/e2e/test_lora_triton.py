@@ -249,6 +249,15 @@ def test_openai_route_serves_each_adapter_as_a_model_id(lora_env, expected, open
         api.completions.create(model="gamma", prompt=PROMPT, max_tokens=2)
 
 
+def _load_lora(url, name, path):
+    return requests.post(f"{url}/v1/load_lora_adapter", timeout=120,
+                         json={"lora_name": name, "lora_path": path})
+
+
+def _unload_lora(url, name):
+    return requests.post(f"{url}/v1/unload_lora_adapter", timeout=30, json={"lora_name": name})
+
+
 def test_openai_route_loads_and_unloads_adapters_at_run_time(lora_env, expected, openai_route):
     """vLLM's /v1/load_lora_adapter (VLLM_ALLOW_RUNTIME_LORA_UPDATING on the route,
     allow_runtime_lora_updating on the model): a folder in no multi_lora.json serves the
@@ -262,11 +271,7 @@ def test_openai_route_loads_and_unloads_adapters_at_run_time(lora_env, expected,
     api, url = openai_route
     served = ["tiny-llama", "alpha", "beta"]
 
-    def load(name, path):
-        return requests.post(f"{url}/v1/load_lora_adapter", timeout=120,
-                             json={"lora_name": name, "lora_path": path})
-
-    loaded_now = load("delta", lora_env["delta"])
+    loaded_now = _load_lora(url, "delta", lora_env["delta"])
     assert loaded_now.status_code == 200, loaded_now.text
     assert loaded_now.text == "Success: LoRA adapter 'delta' added successfully."
     assert [m.id for m in api.models.list().data] == [*served, "delta"]
@@ -277,8 +282,8 @@ def test_openai_route_loads_and_unloads_adapters_at_run_time(lora_env, expected,
         stream = pool.submit(lambda: "".join(
             chunk.choices[0].text for chunk in api.completions.create(
                 model="alpha", prompt=PROMPT, max_tokens=12, temperature=0, stream=True)))
-        missing = pool.submit(load, "ghost", "/nonexistent/ghost")
-        broken = pool.submit(load, "broken", lora_env["broken"])
+        missing = pool.submit(_load_lora, url, "ghost", "/nonexistent/ghost")
+        broken = pool.submit(_load_lora, url, "broken", lora_env["broken"])
         assert stream.result() == expected["alpha"]
         missing, broken = missing.result(), broken.result()
     assert missing.status_code == 404, missing.text
@@ -296,7 +301,7 @@ def test_openai_route_loads_and_unloads_adapters_at_run_time(lora_env, expected,
                for name in series_labels(key)[1]["running_lora_adapters"].split(",")}
     assert "delta" in running
 
-    gone = requests.post(f"{url}/v1/unload_lora_adapter", timeout=30, json={"lora_name": "delta"})
+    gone = _unload_lora(url, "delta")
     assert gone.status_code == 200
     assert gone.text == "Success: LoRA adapter 'delta' removed successfully."
     assert [m.id for m in api.models.list().data] == served
@@ -354,15 +359,13 @@ def test_kv_events_name_each_adapter_a_runtime_one_included(lora_env, openai_rou
     prompt = "Adapters keep their own cache blocks, whatever the prompt says. " * 6
 
     def load(name, path):
-        answer = requests.post(f"{url}/v1/load_lora_adapter", timeout=120,
-                               json={"lora_name": name, "lora_path": path})
+        answer = _load_lora(url, name, path)
         assert answer.status_code == 200, answer.text
 
     load("epsilon", lora_env["epsilon"])
     for model in ("tiny-llama", "alpha", "epsilon"):
         api.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0)
-    assert requests.post(f"{url}/v1/unload_lora_adapter", timeout=30,
-                         json={"lora_name": "epsilon"}).status_code == 200
+    assert _unload_lora(url, "epsilon").status_code == 200
     load("epsilon", lora_env["delta"])
     api.completions.create(model="epsilon", prompt=prompt, max_tokens=2, temperature=0)
 
@@ -407,8 +410,7 @@ def test_kv_events_name_each_adapter_a_runtime_one_included(lora_env, openai_rou
     assert len({next(iter(v)) for v in ids.values()}) == len(cases)
     first_blocks = [got["hashes"][name][0] for name in cases]
     assert len(set(first_blocks)) == len(cases)
-    assert requests.post(f"{url}/v1/unload_lora_adapter", timeout=30,
-                         json={"lora_name": "epsilon"}).status_code == 200
+    assert _unload_lora(url, "epsilon").status_code == 200
 
 
 def test_ensemble_clients_send_lora_name(lora_env, expected):
