@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from bench.native_ab import ROOT, build, source_at
 from kernels.cpu import features as cpu_features
-from kernels.cpu import native as cpu_native
 
 SOURCE = "kernels/cpu/decode_attention.c"
 CASES = (  # seqs, context, heads, kv heads, head_dim, dtype
@@ -34,18 +33,6 @@ CASES = (  # seqs, context, heads, kv heads, head_dim, dtype
     (16, 512, 32, 8, 128, torch.bfloat16),
 )
 BLOCK = 16
-
-
-def build(source_text: str, include_dir: Path, out_dir: Path, name: str) -> ctypes.CDLL:
-    src = out_dir / f"{name}.c"
-    src.write_text(source_text)
-    lib = out_dir / f"{name}.so"
-    flags = [f for f in cpu_native.COMPILE_FLAGS if f != "-c"]
-    subprocess.run(["cc", *flags, *cpu_features.detect().compile_flags(), f"-I{include_dir}",
-                    "-shared", str(src), "-o", str(lib), "-lm"], check=True)
-    library = ctypes.CDLL(str(lib))
-    library.paged_decode_attention.restype = ctypes.c_int
-    return library
 
 
 def run_case(libs: dict[str, ctypes.CDLL], case, threads: int, repeats: int) -> str:
@@ -91,13 +78,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=6)
     args = parser.parse_args()
-    root = Path(__file__).resolve().parent.parent
-    old_text = subprocess.run(["git", "show", f"{args.old}:{SOURCE}"], cwd=root, check=True,
-                              capture_output=True, text=True).stdout
     with tempfile.TemporaryDirectory() as tmp:
-        include = root / "kernels" / "cpu"
-        libs = {"old": build(old_text, include, Path(tmp), "old"),
-                "new": build((root / SOURCE).read_text(), include, Path(tmp), "new")}
+        libs = {"old": build(source_at(args.old, SOURCE), Path(tmp), "old"),
+                "new": build((ROOT / SOURCE).read_text(), Path(tmp), "new")}
+        for library in libs.values():
+            library.paged_decode_attention.restype = ctypes.c_int
         print(f"host ISA: {cpu_features.detect().describe()}; {args.threads} thread(s); "
               f"best of {args.repeats}, alternated; old = {args.old}, new = working tree")
         for case in CASES:

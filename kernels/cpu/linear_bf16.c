@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "prefetch.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -43,11 +44,15 @@ static inline __m512bh load32(const uint16_t *p) {
     return (__m512bh)_mm512_loadu_si512((const void *)p);
 }
 
-/* out[i] = sum over k of x * w[i], the first k32 elements by vdpbf16ps */
-static void dot4(const uint16_t *x, const uint16_t *const w[ROWS], int64_t k, float out[ROWS]) {
-    const int64_t k32 = k & ~(int64_t)31;
+/* out[i] = sum over k of x * w[i], the first k32 elements by vdpbf16ps; each line of the
+ * rows ROW_PREFETCH_AHEAD further on is prefetched when `ahead` (the first x row) */
+static void dot4(const uint16_t *x, const uint16_t *const w[ROWS], int64_t k, int ahead,
+                 float out[ROWS]) {
+    const int64_t k32 = k & ~(int64_t)31, skip = ROW_PREFETCH_AHEAD * k;
     __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i < k32; i += 32) {
+        if (ahead)
+            for (int r = 0; r < ROWS; r++) prefetch_l2(w[r] + i + skip);
         const __m512bh xv = load32(x + i);
         a0 = _mm512_dpbf16_ps(a0, xv, load32(w[0] + i));
         a1 = _mm512_dpbf16_ps(a1, xv, load32(w[1] + i));
@@ -81,11 +86,15 @@ static inline v8f widen8(const uint16_t *p) {
     return f;
 }
 
-/* x here is the row already widened to float32 (done once per call, not once per W row) */
-static void dot4(const float *x, const uint16_t *const w[ROWS], int64_t k, float out[ROWS]) {
-    const int64_t k8 = k & ~(int64_t)7;
+/* x here is the row already widened to float32 (done once per call, not once per W row);
+ * `ahead` as above, once per 64-byte line (32 bf16) */
+static void dot4(const float *x, const uint16_t *const w[ROWS], int64_t k, int ahead,
+                 float out[ROWS]) {
+    const int64_t k8 = k & ~(int64_t)7, skip = ROW_PREFETCH_AHEAD * k;
     v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     for (int64_t i = 0; i < k8; i += 8) {
+        if (ahead && (i & 31) == 0)
+            for (int r = 0; r < ROWS; r++) prefetch_l2(w[r] + i + skip);
         const v8f xv = load8(x + i);
         a0 += xv * widen8(w[0] + i);
         a1 += xv * widen8(w[1] + i);
@@ -124,7 +133,7 @@ int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
         for (int r = 0; r < ROWS; r++) rows_w[r] = w + (j0 + (r < rows ? r : rows - 1)) * k;
         for (int64_t r = 0; r < m; r++) {
             float out[ROWS];
-            dot4(xs + r * k, rows_w, k, out);
+            dot4(xs + r * k, rows_w, k, r == 0, out);
             uint16_t *yr = y + r * n + j0;
             for (int i = 0; i < rows; i++)
                 yr[i] = f32_to_bf16(out[i] + (bias ? bf16_to_f32(bias[j0 + i]) : 0.f));

@@ -12,6 +12,7 @@
  */
 #include <stdint.h>
 
+#include "prefetch.h"
 #include "vec8.h"
 
 static float dot_tail(const float *a, const float *b, int64_t from, int64_t k) {
@@ -23,7 +24,7 @@ static float dot_tail(const float *a, const float *b, int64_t from, int64_t k) {
 /* x [m, k], w [n, k], bias [n] or NULL, y [m, n]; all float32, rows contiguous. */
 void linear_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,
                      int64_t n, int64_t k, int num_threads) {
-    const int64_t k8 = k & ~(int64_t)7, groups = (n + 3) / 4;
+    const int64_t k8 = k & ~(int64_t)7, groups = (n + 3) / 4, skip = ROW_PREFETCH_AHEAD * k;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= 32768)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t j0 = g * 4;
@@ -37,6 +38,12 @@ void linear_f32_rows(const float *x, const float *w, const float *bias, float *y
             const float *xr = x + r * k;
             v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
             for (int64_t i = 0; i < k8; i += 8) {
+                if (r == 0 && (i & 15) == 0) {  /* once per 64-byte line */
+                    prefetch_l2(w0 + i + skip);
+                    prefetch_l2(w1 + i + skip);
+                    prefetch_l2(w2 + i + skip);
+                    prefetch_l2(w3 + i + skip);
+                }
                 const v8f xv = load8(xr + i);
                 a0 += xv * load8(w0 + i);
                 a1 += xv * load8(w1 + i);
