@@ -1,5 +1,6 @@
 /* Software prefetch for the row kernels that stream W once per call (a decode step's
- * matmuls at one or a few rows: linear_f32.c, linear_bf16.c).
+ * matmuls at one or a few rows: linear_f32.c, linear_bf16.c, and linear_quant.c's GGUF
+ * rows, which fetch whole rows ahead in a burst).
  *
  * Why: those kernels read four rows of W side by side, four streams a core, and the
  * hardware prefetchers alone kept only ~10 GB/s in flight per core on a 2-core Zen 4
