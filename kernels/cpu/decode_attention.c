@@ -226,11 +226,14 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                         for (int g = 0; g < group; g++) part[g][t] = (v16f){0};
                     }
                     if (has_next && t < bs - c) {
-                        /* this row's K and V lines of the next block, for this KV head */
+                        /* this row's K and V lines of the next block, for this KV head,
+                         * into L2: into L1 (locality 3) it ran 1.22-2.12x slower on one
+                         * Zen 4 core (1.10-1.76x at 2 threads), the prefetches evicting
+                         * the lines in use (bench.bench_decode_attention_ab) */
                         const int64_t at = (next + (int64_t)(c + t) * row + kh * d) * elem;
                         for (int64_t off = 0; off < (int64_t)d * elem; off += 64) {
-                            __builtin_prefetch((const char *)job->key_cache + at + off, 0, 3);
-                            __builtin_prefetch((const char *)job->value_cache + at + off, 0, 3);
+                            __builtin_prefetch((const char *)job->key_cache + at + off, 0, 2);
+                            __builtin_prefetch((const char *)job->value_cache + at + off, 0, 2);
                         }
                     }
                 }
