@@ -16,12 +16,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench.native_ab import ROOT, build, source_at
+from bench.native_ab import ROOT, best_alternated, build, report, source_at
 from kernels.cpu import features as cpu_features
 
 SOURCE = "kernels/cpu/decode_attention.c"
@@ -55,22 +54,12 @@ def run_case(libs: dict[str, ctypes.CDLL], case, threads: int, repeats: int) -> 
             ctypes.c_float(head_dim ** -0.5), int(dtype == torch.bfloat16), threads)
         assert status == 0, status
 
-    best = {side: float("inf") for side in libs}
-    for round_ in range(repeats):
-        for side in (("old", "new") if round_ % 2 == 0 else ("new", "old")):
-            call(side)
-            start = time.perf_counter()
-            for _ in range(5):
-                call(side)
-            best[side] = min(best[side], (time.perf_counter() - start) / 5)
+    best = best_alternated(call, repeats, calls=5)
     kv_bytes = 2 * seqs * context * kv_heads * head_dim * query.element_size()
     diff = (outs["old"].float() - outs["new"].float()).abs().max().item()
     label = f"{seqs:3d} x {context:4d}, {heads:2d}/{kv_heads} heads, d {head_dim:3d}, " \
             f"{str(dtype).removeprefix('torch.'):8s}"
-    return (f"{label}  old {best['old'] * 1e6:7.0f} us ({kv_bytes / best['old'] / 1e9:5.1f} GB/s)"
-            f"  new {best['new'] * 1e6:7.0f} us ({kv_bytes / best['new'] / 1e9:5.1f} GB/s)"
-            f"  old/new {best['old'] / best['new']:5.2f}  max diff {diff:.1e}")
-
+    return report(label, best, kv_bytes, "us", f"max diff {diff:.1e}")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)

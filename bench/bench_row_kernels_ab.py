@@ -15,12 +15,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
-from bench.native_ab import ROOT, build, source_at
+from bench.native_ab import ROOT, best_alternated, build, report, source_at
 from kernels.cpu import features as cpu_features
 
 KERNELS = {  # dtype -> (source, symbol)
@@ -58,21 +57,12 @@ def run_case(fns: dict, model: str, dtype: torch.dtype, threads: int, repeats: i
     weights = [torch.randn(n, k, generator=gen).to(dtype) for n, k in shapes]
     inputs = {k: torch.randn(1, k, generator=gen).to(dtype) for _, k in shapes}
     outs = {side: [torch.empty(1, n, dtype=dtype) for n, _ in shapes] for side in fns}
-    best = {side: float("inf") for side in fns}
-    for round_ in range(repeats):
-        for side in (("old", "new") if round_ % 2 == 0 else ("new", "old")):
-            run_pass(fns[side], weights, inputs, outs[side], threads)
-            start = time.perf_counter()
-            for _ in range(3):
-                run_pass(fns[side], weights, inputs, outs[side], threads)
-            best[side] = min(best[side], (time.perf_counter() - start) / 3)
+    best = best_alternated(lambda side: run_pass(fns[side], weights, inputs, outs[side], threads),
+                           repeats, calls=3)
     total = sum(w.numel() * w.element_size() for w in weights)
     equal = all(torch.equal(a, b) for a, b in zip(outs["old"], outs["new"]))
     label = f"{model:13s} {str(dtype).removeprefix('torch.'):8s} {total / 1e6:6.0f} MB"
-    return (f"{label}  old {best['old'] * 1e3:7.2f} ms ({total / best['old'] / 1e9:5.1f} GB/s)"
-            f"  new {best['new'] * 1e3:7.2f} ms ({total / best['new'] / 1e9:5.1f} GB/s)"
-            f"  old/new {best['old'] / best['new']:5.2f}  bit-equal {equal}")
-
+    return report(label, best, total, "ms", f"bit-equal {equal}")
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import ctypes
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from kernels.cpu import features as cpu_features
@@ -29,3 +31,25 @@ def build(source_text: str, out_dir: Path, name: str) -> ctypes.CDLL:
     subprocess.run(["cc", *flags, *cpu_features.detect().compile_flags(), f"-I{INCLUDE}",
                     "-shared", str(src), "-o", str(lib), "-lm"], check=True)
     return ctypes.CDLL(str(lib))
+
+
+def best_alternated(run: Callable[[str], None], repeats: int, calls: int) -> dict[str, float]:
+    """Each side's best mean seconds over `calls` runs (after one untimed), `repeats` rounds,
+    old first in even rounds and new first in odd ones."""
+    best = {"old": float("inf"), "new": float("inf")}
+    for round_ in range(repeats):
+        for side in (("old", "new") if round_ % 2 == 0 else ("new", "old")):
+            run(side)
+            start = time.perf_counter()
+            for _ in range(calls):
+                run(side)
+            best[side] = min(best[side], (time.perf_counter() - start) / calls)
+    return best
+
+
+def report(label: str, best: dict[str, float], nbytes: int, unit: str, outcome: str) -> str:
+    """One line: each side's time in `unit` (ms or us) and bytes per second, old / new."""
+    scale = {"ms": 1e3, "us": 1e6}[unit]
+    sides = "".join(f"  {side} {best[side] * scale:7.2f} {unit} ({nbytes / best[side] / 1e9:5.1f} GB/s)"
+                    for side in ("old", "new"))
+    return f"{label}{sides}  old/new {best['old'] / best['new']:5.2f}  {outcome}"
