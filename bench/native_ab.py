@@ -23,13 +23,14 @@ def source_at(revision: str, path: str) -> str:
 
 
 def build(source_text: str, out_dir: Path, name: str) -> ctypes.CDLL:
-    """One C source (headers from the working tree) -> a loaded shared library."""
-    src = out_dir / f"{name}.c"
+    """One C source (headers from the working tree) -> a loaded shared library, compiled
+    and linked as the engine's library is: -ffast-math at compile time only, since linking
+    with it adds crtfastmath.o, whose loading flushes subnormals for the whole process."""
+    src, obj, lib = (out_dir / f"{name}{ext}" for ext in (".c", ".o", ".so"))
     src.write_text(source_text)
-    lib = out_dir / f"{name}.so"
-    flags = [f for f in cpu_native.COMPILE_FLAGS if f != "-c"]
-    subprocess.run(["cc", *flags, *cpu_features.detect().compile_flags(), f"-I{INCLUDE}",
-                    "-shared", str(src), "-o", str(lib), "-lm"], check=True)
+    subprocess.run(["cc", *cpu_native.COMPILE_FLAGS, *cpu_features.detect().compile_flags(),
+                    f"-I{INCLUDE}", str(src), "-o", str(obj)], check=True)
+    subprocess.run(["cc", str(obj), *cpu_native.LINK_FLAGS, "-o", str(lib)], check=True)
     return ctypes.CDLL(str(lib))
 
 
