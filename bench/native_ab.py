@@ -51,6 +51,6 @@ def best_alternated(run: Callable[[str], None], repeats: int, calls: int) -> dic
 def report(label: str, best: dict[str, float], nbytes: int, unit: str, outcome: str) -> str:
     """One line: each side's time in `unit` (ms or us) and bytes per second, old / new."""
     scale = {"ms": 1e3, "us": 1e6}[unit]
-    sides = "".join(f"  {side} {best[side] * scale:7.2f} {unit} ({nbytes / best[side] / 1e9:5.1f} GB/s)"
-                    for side in ("old", "new"))
+    sides = "".join(f"  {side} {best[side] * scale:7.2f} {unit}"
+                    f" ({nbytes / best[side] / 1e9:5.1f} GB/s)" for side in ("old", "new"))
     return f"{label}{sides}  old/new {best['old'] / best['new']:5.2f}  {outcome}"

@@ -381,8 +381,8 @@ static int linear_gguf_impl(int type, const uint8_t *qs, const float *d, const f
 #if defined(__AVX2__)
         /* The next row pairs' codes, a few pairs ahead: decode streams W from DRAM once,
          * and the hardware prefetcher alone left the kernel waiting on it. Into L2, as the
-         * dense row kernels do (prefetch.h): Llama-3.2-1B's layers at one row, 2 threads,
-         * Zen 4: Q8_0 25.3 -> 27.2 GB/s, Q4_1 21.9 -> 24.8 than into L1; SmolLM2's alike. */
+         * dense row kernels do (prefetch.h): on Llama-3.2-1B's layers at one row, 2 threads,
+         * Zen 4, Q8_0 read 27.2 GB/s (25.3 into L1) and Q4_1 24.8 (21.9); SmolLM2's alike. */
         const char *ahead = (const char *)(qs + (j0 + 2 * PREFETCH_PAIRS) * row_bytes);
         if (j0 + 2 * PREFETCH_PAIRS + 1 < n)
             for (int64_t off = 0; off < 2 * row_bytes; off += 64) prefetch_l2(ahead + off);
