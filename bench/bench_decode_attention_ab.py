@@ -61,6 +61,7 @@ def run_case(libs: dict[str, ctypes.CDLL], case, threads: int, repeats: int) -> 
             f"{str(dtype).removeprefix('torch.'):8s}"
     return report(label, best, kv_bytes, "us", f"max diff {diff:.1e}")
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--old", required=True, help="git revision of the baseline")

@@ -64,6 +64,7 @@ def run_case(fns: dict, model: str, dtype: torch.dtype, threads: int, repeats: i
     label = f"{model:13s} {str(dtype).removeprefix('torch.'):8s} {total / 1e6:6.0f} MB"
     return report(label, best, total, "ms", f"bit-equal {equal}")
 
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--old", required=True, help="git revision of the baseline")

@@ -23,14 +23,14 @@ def source_at(revision: str, path: str) -> str:
 
 
 def build(source_text: str, out_dir: Path, name: str) -> ctypes.CDLL:
-    """One C source (headers from the working tree) -> a loaded shared library, compiled
-    and linked as the engine's library is: -ffast-math at compile time only, since linking
-    with it adds crtfastmath.o, whose loading flushes subnormals for the whole process."""
-    src, obj, lib = (out_dir / f"{name}{ext}" for ext in (".c", ".o", ".so"))
+    """One C source (headers from the working tree) -> a loaded shared library, built as
+    the engine's library is (cpu_native.build_shared: -ffast-math when compiling only)."""
+    src, lib = out_dir / f"{name}.c", out_dir / f"{name}.so"
     src.write_text(source_text)
-    subprocess.run(["cc", *cpu_native.COMPILE_FLAGS, *cpu_features.detect().compile_flags(),
-                    f"-I{INCLUDE}", str(src), "-o", str(obj)], check=True)
-    subprocess.run(["cc", str(obj), *cpu_native.LINK_FLAGS, "-o", str(lib)], check=True)
+    flags = [*cpu_native.COMPILE_FLAGS, *cpu_features.detect().compile_flags(), f"-I{INCLUDE}"]
+    error = cpu_native.build_shared("cc", flags, [src], str(out_dir), str(lib))
+    if error is not None:
+        raise RuntimeError(f"building {name} failed: {error}")
     return ctypes.CDLL(str(lib))
 
 

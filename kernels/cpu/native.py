@@ -43,6 +43,21 @@ def _cache_dir() -> Path:
     return Path(root) / "cpu_kernels"
 
 
+def build_shared(compiler: str, compile_flags: list[str], sources: list[Path], work_dir: str,
+                 lib_path: str) -> str | None:
+    """Compile each source with compile_flags (COMPILE_FLAGS and more) into work_dir, then
+    link them into lib_path with LINK_FLAGS alone; None, or the failing command's stderr."""
+    objects = [os.path.join(work_dir, f"{src.stem}.o") for src in sources]
+    commands = [[compiler, *compile_flags, str(src), "-o", obj]
+                for src, obj in zip(sources, objects)]
+    commands.append([compiler, *objects, *LINK_FLAGS, "-o", lib_path])
+    for cmd in commands:
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            return result.stderr.strip()
+    return None
+
+
 @lru_cache(maxsize=1)
 def load_library() -> ctypes.CDLL | None:
     if os.environ.get("TLE_DISABLE_NATIVE_CPU_KERNELS") == "1":
@@ -67,18 +82,12 @@ def load_library() -> ctypes.CDLL | None:
         # Build beside the target and rename, so concurrent first starts never load a
         # half-written library.
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            objects = [os.path.join(tmp, f"{src.stem}.o") for src in SOURCES]
             lib_path = os.path.join(tmp, "kernels.so")
-            commands = [[compiler, *compile_flags, str(src), "-o", obj]
-                        for src, obj in zip(SOURCES, objects)]
-            commands.append([compiler, *objects, *LINK_FLAGS, "-o", lib_path])
-            for cmd in commands:
-                result = subprocess.run(cmd, capture_output=True, text=True)
-                if result.returncode != 0:
-                    logger.warning("building the CPU kernels for %s failed; the torch path "
-                                   "runs instead: %s", features.describe(),
-                                   result.stderr.strip()[-2000:])
-                    return None
+            error = build_shared(compiler, compile_flags, SOURCES, tmp, lib_path)
+            if error is not None:
+                logger.warning("building the CPU kernels for %s failed; the torch path "
+                               "runs instead: %s", features.describe(), error[-2000:])
+                return None
             os.replace(lib_path, target)
     lib = ctypes.CDLL(str(target))
     logger.info("native CPU kernels loaded for %s (%s)", features.describe(), target.name)
