@@ -2,7 +2,8 @@
 (kernels/lora_ops.py) as an adapter's segment grows: python -m bench.bench_lora_dispatch
 
 SmolLM2-135M's four wrapped layers per decoder layer (qkv 576 -> 960 with three stacked
-ranks, o 576 -> 576, gate_up 576 -> 3072 with two, down 1536 -> 576), one segment of
+ranks, o 576 -> 576, gate_up 576 -> 3072 with two, down 1536 -> 576; a fused layer's B
+block-diagonal over its parts, as the adapter loader builds it), one segment of
 1..4096 rows, ranks 8 / 16 / 64. Single-thread CPU time (time.thread_time; torch and the
 kernel at one thread, so other load on a shared host does not count), the two sides
 alternated within each repeat, best of --repeats. Prints, per dtype, rank and rows, the
@@ -17,13 +18,12 @@ import time
 
 import torch
 
+from bench.bench_lora_ab import fused_weights, layer_shapes
 from kernels import lora_ops
 from kernels.cpu import features as cpu_features
 from kernels.cpu import lora as cpu_lora
-from kernels.lora_ops import lora_layout, make_segments
+from kernels.lora_ops import make_segments
 
-# (in, out, stacked ranks per adapter rank) of the wrapped layers (engine/models/lora_linear.py)
-LAYERS = ((576, 960, 3), (576, 576, 1), (576, 3072, 2), (1536, 576, 1))
 ROWS = (1, 4, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -36,13 +36,10 @@ def layer_cases(rows: int, rank: int, dtype: torch.dtype, scattered: bool = Fals
             if scattered else [[(0, rows)]])
     segments = make_segments(runs)
     cases = []
-    for in_features, out_features, stacked in LAYERS:
-        r = rank * stacked
+    for in_features, parts in layer_shapes("SmolLM2-135M"):
         x = torch.randn(rows, in_features, generator=gen).to(dtype)
-        y = torch.zeros(rows, out_features, dtype=dtype)
-        weights = [lora_layout((torch.randn(r, in_features, generator=gen) * 0.05).to(dtype),
-                               (torch.randn(out_features, r, generator=gen) * 0.05).to(dtype))
-                   for _ in runs]
+        y = torch.zeros(rows, sum(parts), dtype=dtype)
+        weights = [fused_weights(in_features, parts, rank, dtype, gen) for _ in runs]
         cases.append((x, y, weights))
     return segments, cases
 

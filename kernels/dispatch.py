@@ -44,7 +44,7 @@ from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
 from kernels.cpu.gguf_weight import GgufWeight
 from kernels.linear_weight import LinearWeight
 # The engine builds a step's segments and lays adapters out through these re-exports.
-from kernels.lora_ops import LoRASegments, SegmentWeights, lora_layout, make_segments  # noqa: F401
+from kernels.lora_ops import LoRASegments, LoRAWeights, SegmentWeights, make_segments  # noqa: F401
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -384,26 +384,30 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
                                 scale, cos_table, sin_table, final_norm)
 
 
-# Rows of one adapter's segment from which torch's matmuls (MKL's GEMM over all the rows)
-# beat the native kernel (four rows per pass over A and B^T), by dtype; None: never.
-# bench/bench_lora_dispatch.py, SmolLM2's four layers, one thread, avx2 (2026-12-02):
-# float32, one segment: torch 1.1-4x faster from 8 rows at ranks 8/16/64; a decode batch
-# over 4 adapters + base: native 1.0-1.8x faster for segments of 4-8 scattered rows at
-# ranks 8/16, torch 1.25-1.6x from 16. bf16: native 1.5-13x faster at every row count to
-# 4096 (torch's bf16 matmuls have no bf16 unit to run on here). Not measured on AVX-512.
-LORA_TORCH_MIN_ROWS: dict[torch.dtype, int | None] = {torch.float32: 16, torch.bfloat16: None}
-# bf16 where AMX runs torch's matmuls (oneDNN on the tiles), against the native kernel's
-# 16-lane build: one segment, torch / native 1.01-2.25 at 16 rows, 0.59-1.62 at 32, 0.43-1.18
-# at 64 (rank 8 is the 1.18), 0.30-0.76 from 128 (ranks 8/16/64; bench/bench_lora_dispatch.py,
-# one thread, amx host, 2026-12-02). From 64 rows torch wins at ranks 16 and up.
-LORA_TORCH_MIN_ROWS_AMX_BF16 = 64
+# Rows of one adapter's segment from which torch's matmuls (MKL / oneDNN's GEMM over all
+# the rows) beat the native kernel, by the CPU's level (kernels/cpu/features.py; other
+# machines: as baseline) and dtype; None: never. bench/bench_lora_dispatch.py, SmolLM2's
+# four layers with the loader's block-diagonal fused B, ranks 16 and 64, one thread, on a
+# Zen 4 host (2026-12-04):
+# - AVX-512 builds (16 lanes, 8 rows a pass), float32: native 1.3-2.2x faster at every
+#   row count to 2048; bf16 where oneDNN has AVX512_BF16 (or AMX): native 1.3-3.2x to 16
+#   rows, torch from 64 (0.98 / 0.83 at ranks 16 / 64, 0.56-0.62 at 2048). On the AMX host
+#   the previous kernel lost to torch from 64 rows too (2026-12-02); not remeasured there.
+# - avx2 builds (the same host capped), float32: native 1.07-1.65x to 16 rows, torch from
+#   32-64 (0.83-0.97); bf16: native 14-48x at every count (torch has no bf16 unit).
+LORA_TORCH_MIN_ROWS: dict[str, dict[torch.dtype, int | None]] = {
+    "baseline": {torch.float32: 64, torch.bfloat16: None},
+    "avx2": {torch.float32: 64, torch.bfloat16: None},
+    "avx512": {torch.float32: None, torch.bfloat16: None},
+    "avx512_bf16": {torch.float32: None, torch.bfloat16: 64},
+    "amx": {torch.float32: None, torch.bfloat16: 64},
+}
 
 
 def lora_torch_min_rows(dtype: torch.dtype) -> int | None:
     """The segment length from which torch runs an adapter's update on this host."""
-    if dtype == torch.bfloat16 and cpu_features.detect().isa == "amx":
-        return LORA_TORCH_MIN_ROWS_AMX_BF16
-    return LORA_TORCH_MIN_ROWS.get(dtype)
+    isa = cpu_features.detect().isa
+    return LORA_TORCH_MIN_ROWS.get(isa, LORA_TORCH_MIN_ROWS["baseline"]).get(dtype)
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
@@ -454,6 +458,6 @@ def split_lora_segments(x: torch.Tensor, segments: LoRASegments, weights: Segmen
 def _triton_lora_fits(x: torch.Tensor, y: torch.Tensor, weights: SegmentWeights) -> bool:
     return (x.dim() == 2 and y.dtype == x.dtype and x.stride(1) == 1 and y.stride(1) == 1
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and all(w is None or (w[0].dtype == x.dtype and w[1].dtype == x.dtype
-                                  and w[0].is_contiguous() and w[1].t().is_contiguous())
+            and all(w is None or (w.a.dtype == x.dtype and w.b.dtype == x.dtype
+                                  and w.a.t().is_contiguous() and w.b.t().is_contiguous())
                     for w in weights))

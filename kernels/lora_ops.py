@@ -10,10 +10,54 @@ from typing import Sequence
 
 import torch
 
-# One segment's weights: A [rank, in], B [out, rank], or None where that adapter has no
-# update for the layer. The kernels take A row-major and B column-major (B^T's rows
-# contiguous, as `lora_layout` stores them): the expand then runs along `out`.
-SegmentWeights = Sequence["tuple[torch.Tensor, torch.Tensor] | None"]
+# Output columns per entry of LoRAWeights.rank_spans (kernels/cpu/lora_sgmv.c reads them
+# a vector of 8 or 16 columns at a time).
+SPAN_COLUMNS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAWeights:
+    """One adapter's update for one layer, y += (x A^T) B^T, as the kernels read it.
+
+    A [rank, in] and B [out, rank] are both column-major (A^T's and B^T's rows
+    contiguous), so that the shrink runs along the ranks and the expand along the outputs.
+    `rank_spans` (int32 [ceil(out / SPAN_COLUMNS), 2], CPU) holds, for each SPAN_COLUMNS
+    output columns, the ranks [lo, hi) whose B entries there are not all zero ([0, 0) for
+    none): a fused layer's B is block-diagonal over its parts, and the expand skips the
+    other parts' ranks."""
+    a: torch.Tensor
+    b: torch.Tensor
+    rank_spans: torch.Tensor
+
+    @classmethod
+    def of(cls, a: torch.Tensor, b: torch.Tensor) -> "LoRAWeights":
+        """From A [rank, in] and B [out, rank] in any layout; the same values."""
+        b = b.t().contiguous().t()
+        return cls(a.t().contiguous().t(), b, rank_spans(b))
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0]
+
+
+def rank_spans(b: torch.Tensor) -> torch.Tensor:
+    """LoRAWeights.rank_spans of B [out, rank]."""
+    out, rank = b.shape
+    blocks = -(-out // SPAN_COLUMNS)
+    if rank == 0:
+        return torch.zeros(blocks, 2, dtype=torch.int32)
+    used = torch.zeros(blocks * SPAN_COLUMNS, rank, dtype=torch.bool)
+    used[:out] = b.detach().cpu() != 0
+    used = used.view(blocks, SPAN_COLUMNS, rank).any(1)  # [blocks, rank]
+    ranks = torch.arange(rank)
+    lo = torch.where(used, ranks, rank).amin(1)
+    hi = torch.where(used, ranks + 1, 0).amax(1)
+    lo = torch.where(hi > 0, lo, 0)
+    return torch.stack([lo, hi], 1).to(torch.int32).contiguous()
+
+
+# One segment's weights each, None where that adapter has no update for the layer.
+SegmentWeights = Sequence["LoRAWeights | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +73,6 @@ class LoRASegments:
     @property
     def num_segments(self) -> int:
         return len(self.row_sets)
-
-
-def lora_layout(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A and B as the kernels read them (see SegmentWeights); same values."""
-    return a.contiguous(), b.t().contiguous().t()
 
 
 def make_segments(runs: Sequence[Sequence[tuple[int, int]]],
@@ -57,10 +96,10 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
              weights: SegmentWeights) -> None:
     """y += the update of each segment's rows, in place: one shrink and one expand per
     segment, in x's dtype."""
-    for rows, ab in zip(segments.row_sets, weights):
-        if ab is None:
+    for rows, w in zip(segments.row_sets, weights):
+        if w is None:
             continue
-        a, b = ab
+        a, b = w.a, w.b
         if isinstance(rows, slice):
             # Into y's rows in place: a [rows, out] temporary (50 MB for SmolLM2's gate_up
             # at 4096 rows) made it 1.5-3.6x slower there (64-4096 rows, avx2, 1 thread).

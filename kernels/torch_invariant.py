@@ -24,10 +24,10 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: lora_ops.LoRASegments,
     """lora_ops.lora_add one row at a time: each row's shrink and expand are [1, in] and
     [1, rank] products, whatever the segment's size."""
     starts = segments.starts.tolist()
-    for g, ab in enumerate(weights):
-        if ab is None:
+    for g, w in enumerate(weights):
+        if w is None:
             continue
-        a, b = ab
+        a, b = w.a, w.b
         for row in segments.rows[starts[g]:starts[g + 1]].tolist():
             y[row:row + 1] += (x[row:row + 1] @ a.t()) @ b.t()
 

@@ -12,7 +12,7 @@ import torch
 
 from engine.distributed.sharding import HeadShard, even_slice, head_shard
 from engine.models.llama import head_dim_of
-from engine.models.lora_linear import ModuleLoRA
+from kernels.dispatch import LoRAWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,14 +23,14 @@ class LoRASharder:
     gate_up_rows: tuple[tuple[int, int], ...]
     down_columns: tuple[int, int]
 
-    def __call__(self, name: str, module: ModuleLoRA) -> ModuleLoRA:
+    def __call__(self, name: str, module: LoRAWeights) -> LoRAWeights:
         kind = name.rsplit(".", 1)[1]
         if kind == "qkv_proj":
-            return ModuleLoRA.of(module.a, _rows(module.b, self.qkv_rows))
+            return LoRAWeights.of(module.a, _rows(module.b, self.qkv_rows))
         if kind == "gate_up_proj":
-            return ModuleLoRA.of(module.a, _rows(module.b, self.gate_up_rows))
+            return LoRAWeights.of(module.a, _rows(module.b, self.gate_up_rows))
         start, end = self.o_columns if kind == "o_proj" else self.down_columns
-        return ModuleLoRA.of(module.a[:, start:end], module.b)
+        return LoRAWeights.of(module.a[:, start:end], module.b)
 
 
 def lora_sharder(hf_config, world_size: int, rank: int) -> LoRASharder:

@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from engine.lora.request import LoRARequest
-from engine.models.lora_linear import LoRATarget, ModuleLoRA
+from engine.models.lora_linear import LoRATarget
+from kernels.dispatch import LoRAWeights
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -31,7 +32,7 @@ class LoRAAdapter:
     int_id: int
     path: str
     rank: int  # the largest rank among its layers
-    modules: dict[str, ModuleLoRA]  # by wrapped layer name
+    modules: dict[str, LoRAWeights]  # by wrapped layer name
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,7 +199,11 @@ def _pattern_value(pattern: dict, module: str):
 
 
 def _stack(target: LoRATarget, parts: dict[int, tuple[torch.Tensor, torch.Tensor, float]],
-           dtype: torch.dtype, device) -> ModuleLoRA:
+           dtype: torch.dtype, device) -> LoRAWeights:
+    """One adapter's update for one (possibly fused) layer: A stacks the parts' A rows
+    ([sum of ranks, in]); B is block-diagonal over the parts ([out, sum of ranks]) with each
+    part's scaling folded in, so a fused layer costs one shrink and one expand whatever
+    subset of its parts the adapter trained."""
     total_rank = sum(a.shape[0] for a, _, _ in parts.values())
     a_all = torch.empty(total_rank, target.in_features, dtype=torch.float32)
     b_all = torch.zeros(target.out_features, total_rank, dtype=torch.float32)
@@ -211,5 +216,5 @@ def _stack(target: LoRATarget, parts: dict[int, tuple[torch.Tensor, torch.Tensor
             b_all[out_start:out_start + out_features, col:col + r] = b.float() * scaling
             col += r
         out_start += out_features
-    return ModuleLoRA.of(a_all.to(device=device, dtype=dtype),
-                         b_all.to(device=device, dtype=dtype))
+    return LoRAWeights.of(a_all.to(device=device, dtype=dtype),
+                          b_all.to(device=device, dtype=dtype))

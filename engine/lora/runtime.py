@@ -13,8 +13,8 @@ from engine.core.request import Request
 from engine.lora.adapter import AdapterFiles, LoRAAdapter, load_adapter
 from engine.lora.registry import LoRARegistry
 from engine.lora.request import LoRARequest
-from engine.models.lora_linear import ModuleLoRA, attach_lora
-from kernels.dispatch import make_segments
+from engine.models.lora_linear import attach_lora
+from kernels.dispatch import LoRAWeights, make_segments
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +28,7 @@ class LoRAStepPlan:
 class LoRARuntime:
     def __init__(self, model: nn.Module, config: LoRAConfig, dtype: torch.dtype,
                  device: torch.device,
-                 shard: Callable[[str, ModuleLoRA], ModuleLoRA] | None = None) -> None:
+                 shard: Callable[[str, LoRAWeights], LoRAWeights] | None = None) -> None:
         """`shard`: under tensor parallelism, cuts a whole adapter layer (by the wrapped
         layer's name) to this rank's slice (engine/distributed/lora_sharding.py)."""
         self.config = config

@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.models.layers import Linear
 from kernels import dispatch
-from kernels.dispatch import LoRASegments, lora_layout
+from kernels.dispatch import LoRASegments, LoRAWeights
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,29 +28,13 @@ class LoRATarget:
         return sum(size for _, size in self.parts)
 
 
-@dataclass(frozen=True, slots=True)
-class ModuleLoRA:
-    """One adapter's update for one (possibly fused) layer: y += (x A^T) B^T.
-
-    A stacks the parts' A rows ([sum of ranks, in]); B is block-diagonal over the parts
-    ([out, sum of ranks]) with each part's scaling folded in, so a fused layer costs one
-    shrink and one expand whatever subset of its parts the adapter trained."""
-    a: torch.Tensor
-    b: torch.Tensor
-
-    @classmethod
-    def of(cls, a: torch.Tensor, b: torch.Tensor) -> "ModuleLoRA":
-        """In the layout the update kernels read (kernels/lora_ops.py: B column-major)."""
-        return cls(*lora_layout(a, b))
-
-
 @dataclass(slots=True)
 class LoRABatch:
     """This step's adapter groups, shared by every wrapped layer of one model; the runner
     sets it before the forward and clears it after (no segments: base rows only).
     `modules[g]` is segment g's adapter's layers by name."""
     segments: LoRASegments | None = None
-    modules: list[dict[str, ModuleLoRA]] = field(default_factory=list)
+    modules: list[dict[str, LoRAWeights]] = field(default_factory=list)
 
 
 class LoRALinear(nn.Module):
@@ -73,10 +57,7 @@ class LoRALinear(nn.Module):
         y = self.base.forward(x) if partial is None else partial(x)
         segments = self.batch.segments
         if segments is not None:
-            weights = []
-            for modules in self.batch.modules:
-                module = modules.get(self.name)
-                weights.append(None if module is None else (module.a, module.b))
+            weights = [modules.get(self.name) for modules in self.batch.modules]
             # The base layer's kernels were chosen batch-invariant or not at load; the
             # update follows them.
             dispatch.lora_add(x, y, segments, weights, self.base.kernel_weight().batch_invariant)

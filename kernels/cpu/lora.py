@@ -9,7 +9,7 @@ from functools import lru_cache
 import torch
 
 from kernels.cpu import native as cpu_native
-from kernels.lora_ops import LoRASegments, SegmentWeights
+from kernels.lora_ops import SPAN_COLUMNS, LoRASegments, SegmentWeights
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = (torch.float32, torch.bfloat16)
@@ -18,7 +18,7 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return cpu_native.bind({"lora_sgmv": (_I32, [_I32, _P, _I64, _P, _I64, _P, _P, _I32, _P,
-                                                 _P, _P, _I64, _I64, _I32])})
+                                                 _P, _P, _P, _I64, _I64, _I32])})
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
@@ -32,21 +32,33 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
         return False
     n = segments.num_segments
     a_ptrs, b_ptrs = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
+    span_ptrs = (ctypes.c_void_p * n)()
     ranks = (ctypes.c_int32 * n)()
-    for g, ab in enumerate(weights):
-        if ab is None:
+    in_features, out_features = x.shape[1], y.shape[1]
+    blocks = -(-out_features // SPAN_COLUMNS)
+    for g, w in enumerate(weights):
+        if w is None:
             continue
-        a, b = ab
+        a, b, spans = w.a, w.b, w.rank_spans
         rank = a.shape[0]
-        if (a.shape[1], b.shape[0], b.shape[1]) != (x.shape[1], y.shape[1], rank):
+        if (a.shape[1] != in_features or b.shape != (out_features, rank)
+                or a.dtype != dtype or b.dtype != dtype
+                or not _column_major(a) or not _column_major(b)
+                or spans.dtype != torch.int32 or spans.shape != (blocks, 2)
+                or not spans.is_contiguous()):
             return False
-        # A row-major; B column-major (B^T's rows contiguous: kernels/lora_ops.py).
-        if (a.dtype != dtype or b.dtype != dtype or not a.is_contiguous()
-                or not b.t().is_contiguous()):
-            return False
-        a_ptrs[g], b_ptrs[g], ranks[g] = a.data_ptr(), b.data_ptr(), rank
+        a_ptrs[g], b_ptrs[g], span_ptrs[g], ranks[g] = (a.data_ptr(), b.data_ptr(),
+                                                        spans.data_ptr(), rank)
     status = lib.lora_sgmv(int(dtype == torch.bfloat16), x.data_ptr(), x.stride(0),
                            y.data_ptr(), y.stride(0), segments.rows.data_ptr(),
-                           segments.starts.data_ptr(), n, a_ptrs, b_ptrs, ranks, x.shape[1],
-                           y.shape[1], torch.get_num_threads())
+                           segments.starts.data_ptr(), n, a_ptrs, b_ptrs, span_ptrs, ranks,
+                           in_features, out_features, torch.get_num_threads())
     return status == 0
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    """Element (r, c) of the 2-D `t` at c * rows + r (LoRAWeights' A and B), told by its
+    strides: this runs for every wrapped layer of every step, and a view costs more."""
+    rows, cols = t.shape
+    row_step, col_step = t.stride()
+    return (rows == 1 or row_step == 1) and (cols == 1 or col_step == rows)

@@ -58,8 +58,8 @@ def sgmv_kernel(x_ptr, y_ptr, rows_ptr, starts_ptr, a_buf, a_offsets, b_buf, b_o
             k_mask = offs_k < in_features
             xs = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :],
                          mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-            # A is [rank, in]: its [BLOCK_K, RANK_PAD] tile read transposed.
-            at = tl.load(a_ptr + offs_r[None, :] * in_features + offs_k[:, None],
+            # A^T is [in, rank] row-major: a [BLOCK_K, RANK_PAD] tile.
+            at = tl.load(a_ptr + offs_k[:, None] * rank + offs_r[None, :],
                          mask=rank_mask[None, :] & k_mask[:, None], other=0.0)
             shrunk += dot(xs, at, FP32_DOT)
         # As the torch path's two matmuls: the shrink result in the activations' dtype.
@@ -83,20 +83,20 @@ def sgmv_kernel(x_ptr, y_ptr, rows_ptr, starts_ptr, a_buf, a_offsets, b_buf, b_o
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
              weights: SegmentWeights, tiles: LoRATiles = LoRATiles()) -> None:
     """y[rows of g] += (x[rows of g] A_g^T) B_g^T in place, for 2-D x and y with unit
-    column stride, A row-major and B column-major in x's dtype (kernels.dispatch checks)."""
+    column stride, A and B column-major in x's dtype (kernels.dispatch checks)."""
     n = segments.num_segments
     if n == 0 or segments.max_rows == 0:
         return
     device = x.device
-    present = [ab for ab in weights if ab is not None]
+    present = [w for w in weights if w is not None]
     if not present:
         return
-    a_buf, a_offsets = _one_buffer([ab[0] for ab in weights if ab is not None])
-    b_buf, b_offsets = _one_buffer([ab[1].t() for ab in weights if ab is not None])
+    a_buf, a_offsets = _one_buffer([w.a.t() for w in present])
+    b_buf, b_offsets = _one_buffer([w.b.t() for w in present])
     a_off, b_off, ranks, i = [0] * n, [0] * n, [0] * n, 0
-    for g, ab in enumerate(weights):
-        if ab is not None:
-            a_off[g], b_off[g], ranks[g] = a_offsets[i], b_offsets[i], ab[0].shape[0]
+    for g, w in enumerate(weights):
+        if w is not None:
+            a_off[g], b_off[g], ranks[g] = a_offsets[i], b_offsets[i], w.a.shape[0]
             i += 1
     a_off_t = torch.tensor(a_off, dtype=torch.int64, device=device)
     b_off_t = torch.tensor(b_off, dtype=torch.int64, device=device)

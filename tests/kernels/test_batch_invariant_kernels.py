@@ -6,7 +6,7 @@ import torch
 from kernels import dispatch, torch_invariant
 from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
-from kernels.lora_ops import lora_layout, make_segments
+from kernels.lora_ops import LoRAWeights, make_segments
 from testing.gguf_weights import gguf_weight
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="needs the native kernels")
@@ -51,7 +51,7 @@ def test_invariant_lora_rows_are_bit_equal_in_any_segment(dtype):
     g = torch.Generator().manual_seed(8)
     k, n = 100, 44  # tails past the kernel's 8-wide loops
     x, base = torch.randn(11, k, generator=g).to(dtype), torch.randn(11, n, generator=g)
-    weights = [lora_layout(torch.randn(r, k, generator=g).to(dtype) / 4,
+    weights = [LoRAWeights.of(torch.randn(r, k, generator=g).to(dtype) / 4,
                            torch.randn(n, r, generator=g).to(dtype) / 4) for r in (8, 3)]
     segments = make_segments([[(0, 5), (8, 11)], [(5, 7)]])
     adapter_of = {r: 0 for r in (*range(5), 8, 9, 10)} | {5: 1, 6: 1}
@@ -64,7 +64,7 @@ def test_invariant_lora_rows_are_bit_equal_in_any_segment(dtype):
             alone = base[row:row + 1].to(dtype, copy=True)
             add(x[row:row + 1], alone, make_segments([[(0, 1)]]), [weights[adapter]])
             assert torch.equal(alone, y[row:row + 1]), row
-        a, b = weights[0]
+        a, b = weights[0].a, weights[0].b
         exact = base[:5].double() + (x[:5].double() @ a.double().T) @ b.double().T
         tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05)
         torch.testing.assert_close(y[:5].double(), exact, **tol)

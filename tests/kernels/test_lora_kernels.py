@@ -4,13 +4,15 @@ kernels/lora_ops.py, with segments of scattered rows, different ranks (a fused l
 stacked ones included), an adapter without this layer, and rows no segment names."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from kernels import dispatch
 from kernels.cpu import features as cpu_features
 from kernels.cpu import lora as cpu_lora
-from kernels.lora_ops import lora_add, lora_layout, make_segments
+from kernels.lora_ops import LoRAWeights, lora_add, make_segments
 
 TOLERANCE = {torch.float32: dict(atol=1e-4, rtol=1e-4),
              torch.bfloat16: dict(atol=6e-2, rtol=2e-2)}
@@ -24,7 +26,7 @@ def _case(dtype, in_features, out_features, ranks, seed=0):
     x = torch.randn(23, in_features, generator=gen).to(dtype)
     y = torch.randn(23, out_features, generator=gen).to(dtype)
     weights = [None if r is None else
-               lora_layout((torch.randn(r, in_features, generator=gen) * 0.3).to(dtype),
+               LoRAWeights.of((torch.randn(r, in_features, generator=gen) * 0.3).to(dtype),
                            (torch.randn(out_features, r, generator=gen) * 0.3).to(dtype))
                for r in ranks]
     return x, y, weights
@@ -57,16 +59,65 @@ def test_native_kernel_matches_torch(dtype, shape):
 def test_native_kernel_declines_what_it_does_not_take():
     x, y, weights = _case(torch.float32, 16, 8, (4, None, 2))
     segments = make_segments(RUNS)
+    first, last = weights[0], weights[2]
     assert not cpu_lora.lora_add(x.half(), y.half(), segments, weights)  # dtype
-    assert not cpu_lora.lora_add(x, y, segments, [(weights[0][0].t(), weights[0][1]), None,
-                                                  weights[2]])  # shapes
-    row_major_b = [weights[0], None, (weights[2][0], weights[2][1].contiguous())]
-    assert not cpu_lora.lora_add(x, y, segments, row_major_b)  # B's layout
+    transposed = replace(first, a=first.a.t())
+    assert not cpu_lora.lora_add(x, y, segments, [transposed, None, last])  # shapes
+    for layout in (replace(last, a=last.a.contiguous()), replace(last, b=last.b.contiguous()),
+                   replace(last, rank_spans=last.rank_spans[:-1])):
+        assert not cpu_lora.lora_add(x, y, segments, [first, None, layout])  # A's, B's, spans
     # dispatch falls back to torch for them
-    doubles = [None if w is None else (w[0].double(), w[1].double()) for w in weights]
+    doubles = [None if w is None else LoRAWeights.of(w.a.double(), w.b.double())
+               for w in weights]
     got = y.double()
     dispatch.lora_add(x.double(), got, segments, doubles)
     torch.testing.assert_close(got, _reference(x.double(), y.double(), segments, doubles))
+
+
+def test_rank_spans_name_each_column_blocks_nonzero_ranks():
+    """A fused layer's B, block-diagonal over three parts (one of 20 columns that straddles
+    a 16-column block, one of 18 the adapter did not train), plus a column past the last
+    whole block: each block's span covers exactly the ranks of the parts it touches."""
+    b = torch.zeros(50, 12)
+    b[:20, 0:4] = 1.0     # part 1: columns 0..19, ranks 0..3
+    b[38:49, 4:12] = 2.0  # part 3: columns 38..48, ranks 4..11 (part 2, 20..37, untrained)
+    b[49, 7] = 3.0
+    spans = LoRAWeights.of(torch.ones(12, 8), b).rank_spans
+    assert spans.dtype == torch.int32 and spans.shape == (4, 2)
+    assert spans.tolist() == [[0, 4], [0, 4], [4, 12], [4, 12]]
+    assert LoRAWeights.of(torch.ones(3, 8), torch.zeros(20, 3)).rank_spans.tolist() == [[0, 0]] * 2
+    assert LoRAWeights.of(torch.ones(0, 8), torch.zeros(20, 0)).rank_spans.tolist() == [[0, 0]] * 2
+
+
+@pytest.mark.skipif(cpu_lora._library() is None,
+                    reason="no C compiler: the torch path runs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_kernel_reads_only_the_spans_ranks(dtype):
+    """The expand takes each column block's ranks from rank_spans: a fused B's
+    block-diagonal layout matches torch, and ranks a span leaves out are never read (here
+    spans that claim nothing for the first part's blocks leave its columns untouched)."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(23, 64, generator=gen).to(dtype)
+    y = torch.randn(23, 80, generator=gen).to(dtype)
+    b = torch.zeros(80, 48)
+    b[:48, :16] = torch.randn(48, 16, generator=gen)  # columns 0..47: ranks 0..15
+    b[48:, 32:] = torch.randn(32, 16, generator=gen)  # columns 48..79: ranks 32..47 (16..31 idle)
+    fused = LoRAWeights.of(torch.randn(48, 64, generator=gen).to(dtype) * 0.3,
+                           (b * 0.3).to(dtype))
+    assert fused.rank_spans.tolist() == [[0, 16]] * 3 + [[32, 48]] * 2
+    segments = make_segments(RUNS)
+    weights = [fused, None, fused]
+    expected = _reference(x, y, segments, weights)
+    got = y.clone()
+    assert cpu_lora.lora_add(x, got, segments, weights)
+    torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+    spans = fused.rank_spans.clone()
+    spans[:3] = 0
+    blind = replace(fused, rank_spans=spans)
+    got = y.clone()
+    assert cpu_lora.lora_add(x, got, segments, [blind, None, blind])
+    assert torch.equal(got[:, :48], y[:, :48])
+    torch.testing.assert_close(got[:, 48:], expected[:, 48:], **TOLERANCE[dtype])
 
 
 def test_dispatch_runs_the_update_on_a_strided_output():
@@ -83,18 +134,18 @@ def test_dispatch_runs_the_update_on_a_strided_output():
 def _in_one_buffer(weights):
     """The same weights as views of one storage (how a pooled loader would hold them)."""
     present = [w for w in weights if w is not None]
-    flat = torch.cat([t.reshape(-1) for a, b in present for t in (a, b.t())])
+    flat = torch.cat([t.reshape(-1) for w in present for t in (w.a.t(), w.b.t())])
     out, at = [], 0
     for w in weights:
         if w is None:
             out.append(None)
             continue
-        a, b = w
-        a_view = flat[at:at + a.numel()].view(a.shape)
-        at += a.numel()
-        b_view = flat[at:at + b.numel()].view(b.shape[1], b.shape[0]).t()
-        at += b.numel()
-        out.append((a_view, b_view))
+        (rank, in_features), out_features = w.a.shape, w.b.shape[0]
+        a_view = flat[at:at + w.a.numel()].view(in_features, rank).t()
+        at += w.a.numel()
+        b_view = flat[at:at + w.b.numel()].view(rank, out_features).t()
+        at += w.b.numel()
+        out.append(replace(w, a=a_view, b=b_view))
     return out
 
 
@@ -109,7 +160,8 @@ def test_triton_kernel_matches_torch(dtype, shared):
     x, y, weights = _case(dtype, 40, 36, (20, None, 5), seed=1)
     segments = make_segments(RUNS)
     expected = _reference(x, y, segments, weights)
-    on = [None if w is None else (w[0].to(device), w[1].to(device)) for w in weights]
+    on = [None if w is None else replace(w, a=w.a.to(device), b=w.b.to(device))
+          for w in weights]
     if shared:
         on = _in_one_buffer(on)
     got = y.to(device)
@@ -124,17 +176,16 @@ def test_triton_kernel_matches_torch(dtype, shared):
 def test_dispatch_sends_each_segment_to_its_side_of_the_row_threshold(monkeypatch, dtype):
     """Below the host's threshold a segment goes to the native kernel, from it on to
     torch; a step with both (decodes beside a long prefill) splits, and every mix agrees
-    with the reference. bf16 has no threshold except on AMX: its long segments stay
-    native."""
+    with the reference. Without a threshold (bf16 where torch has no bf16 unit, float32 on
+    AVX-512 builds) long segments stay native."""
     threshold = dispatch.lora_torch_min_rows(dtype)
-    amx = cpu_features.detect().isa == "amx"
-    assert threshold == (dispatch.LORA_TORCH_MIN_ROWS_AMX_BF16 if dtype == torch.bfloat16 and amx
-                         else dispatch.LORA_TORCH_MIN_ROWS[dtype])
+    table = dispatch.LORA_TORCH_MIN_ROWS
+    assert threshold == table.get(cpu_features.detect().isa, table["baseline"])[dtype]
     short, long = (threshold - 1, threshold) if threshold else (15, 600)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(short + long, 40, generator=gen).to(dtype)
     y = torch.randn(short + long, 24, generator=gen).to(dtype)
-    weights = [lora_layout((torch.randn(r, 40, generator=gen) * 0.3).to(dtype),
+    weights = [LoRAWeights.of((torch.randn(r, 40, generator=gen) * 0.3).to(dtype),
                            (torch.randn(24, r, generator=gen) * 0.3).to(dtype)) for r in (8, 4)]
     native_calls = []
     real = cpu_lora.lora_add

@@ -9,7 +9,7 @@ import torch
 
 from engine import LLM, LoRARequest, SamplingParams
 from engine.distributed.lora_sharding import lora_sharder
-from engine.models.lora_linear import ModuleLoRA
+from kernels.dispatch import LoRAWeights
 from testing.lora_adapter import hf_peft_greedy, make_lora_adapter_dir
 from testing.tiny_model import make_tiny_model_dir
 
@@ -36,8 +36,8 @@ def test_sharded_adapter_layers_rebuild_the_full_update():
     q, kv, inter, hidden = 9 * d, 3 * d, 96, 72
     sharders = [lora_sharder(_Config, world, r) for r in range(world)]
     x = torch.randn(5, hidden, generator=gen)
-    qkv = ModuleLoRA(torch.randn(rank_r, hidden, generator=gen),
-                     torch.randn(q + 2 * kv, rank_r, generator=gen))
+    qkv = LoRAWeights.of(torch.randn(rank_r, hidden, generator=gen),
+                         torch.randn(q + 2 * kv, rank_r, generator=gen))
     full = (x @ qkv.a.T) @ qkv.b.T
     parts = [s("model.layers.0.self_attn.qkv_proj", qkv) for s in sharders]
     outs = [(x @ p.a.T) @ p.b.T for p in parts]
@@ -46,8 +46,8 @@ def test_sharded_adapter_layers_rebuild_the_full_update():
                         [o[:, local_q:local_q + local_kv] for o in outs] +
                         [o[:, local_q + local_kv:] for o in outs], dim=1)
     torch.testing.assert_close(rebuilt, full)
-    gate_up = ModuleLoRA(torch.randn(rank_r, hidden, generator=gen),
-                         torch.randn(2 * inter, rank_r, generator=gen))
+    gate_up = LoRAWeights.of(torch.randn(rank_r, hidden, generator=gen),
+                             torch.randn(2 * inter, rank_r, generator=gen))
     outs = [(x @ p.a.T) @ p.b.T for p in
             (s("model.layers.0.mlp.gate_up_proj", gate_up) for s in sharders)]
     half = inter // world
@@ -55,8 +55,8 @@ def test_sharded_adapter_layers_rebuild_the_full_update():
     torch.testing.assert_close(rebuilt, (x @ gate_up.a.T) @ gate_up.b.T)
     for name, width, step in (("self_attn.o_proj", q, q // world),
                               ("mlp.down_proj", inter, inter // world)):
-        module = ModuleLoRA(torch.randn(rank_r, width, generator=gen),
-                            torch.randn(hidden, rank_r, generator=gen))
+        module = LoRAWeights.of(torch.randn(rank_r, width, generator=gen),
+                                torch.randn(hidden, rank_r, generator=gen))
         xin = torch.randn(5, width, generator=gen)
         partial = sum((xin[:, r * step:(r + 1) * step] @ p.a.T) @ p.b.T for r, p in
                       enumerate(s(f"model.layers.0.{name}", module) for s in sharders))
