@@ -13,8 +13,9 @@ steps hand the layers. Shapes: SmolLM2-135M and Llama-3.2-1B (--skip-1b leaves i
 Prints us a layer for each side, old / new, and the largest difference between the two
 sides' outputs relative to the update's size.
 
-A revision from before the kernel took A^T and rank spans (the outer-product kernel)
-is called with its own arguments: A row-major and no spans."""
+Each side is called with the arguments its source takes (`signature`): before the
+outer-product kernel, A row-major and no rank spans; then A^T and spans; then also the
+bf16 pairs (kernels/cpu/lora.py pack_pairs), packed where this host's build runs them."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.native_ab import ROOT, best_alternated, build, report, source_at
+from kernels import dispatch
 from kernels.cpu import features as cpu_features
 from kernels.lora_ops import LoRAWeights, make_segments
 
@@ -51,15 +53,20 @@ def fused_weights(in_features: int, parts: tuple[int, ...], rank: int, dtype: to
     for i, size in enumerate(parts):
         b[start:start + size, i * rank:(i + 1) * rank] = torch.randn(size, rank, generator=gen)
         start += size
-    return LoRAWeights.of(a.to(dtype), b.to(dtype))
+    return dispatch.prepare_lora(a.to(dtype), b.to(dtype))
 
 
-def bind(library: ctypes.CDLL, takes_spans: bool):
+def signature(source_text: str) -> int:
+    """The per-segment weight arguments a lora_sgmv source takes: 2 (A, B^T), 3 (A^T, B^T,
+    rank spans) or 5 (and the bf16 pairs of A^T and B^T)."""
+    return 5 if "at_pairs" in source_text else 3 if "*spans" in source_text else 2
+
+
+def bind(library: ctypes.CDLL, weight_args: int):
     fn = library.lora_sgmv
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     fn.restype = i32
-    fn.argtypes = ([i32, p, i64, p, i64, p, p, i32, p, p] + ([p] if takes_spans else [])
-                   + [p, i64, i64, i32])
+    fn.argtypes = [i32, p, i64, p, i64, p, p, i32] + [p] * weight_args + [p, i64, i64, i32]
     return fn
 
 
@@ -75,23 +82,28 @@ class Layer:
         # the old kernel's A row-major (kept alive here); the new one's A column-major
         self.a_rows = [w.a.contiguous() for w in self.weights]
         ptrs = lambda ts: (ctypes.c_void_p * ADAPTERS)(*[t.data_ptr() for t in ts])  # noqa: E731
-        self.pointers = {  # by whether the kernel takes A^T and spans
-            False: [ptrs(self.a_rows), ptrs([w.b for w in self.weights])],
-            True: [ptrs([w.a for w in self.weights]), ptrs([w.b for w in self.weights]),
-                   ptrs([w.rank_spans for w in self.weights])],
+        plain = [ptrs([w.a for w in self.weights]), ptrs([w.b for w in self.weights]),
+                 ptrs([w.rank_spans for w in self.weights])]
+        pairs = [w.pairs for w in self.weights]
+        none = (ctypes.c_void_p * ADAPTERS)()
+        self.pointers = {  # by signature()
+            2: [ptrs(self.a_rows), ptrs([w.b for w in self.weights])],
+            3: plain,
+            5: plain + ([ptrs([pa for pa, _ in pairs]), ptrs([pb for _, pb in pairs])]
+                        if all(pairs) else [none, none]),
         }
         self.ranks = (ctypes.c_int32 * ADAPTERS)(*[w.rank for w in self.weights])
 
-    def run(self, fn, side: str, takes_spans: bool, segments, threads: int) -> None:
+    def run(self, fn, side: str, weight_args: int, segments, threads: int) -> None:
         x, y = self.x, self.y[side]
         status = fn(int(x.dtype == torch.bfloat16), x.data_ptr(), x.stride(0), y.data_ptr(),
                     y.stride(0), segments.rows.data_ptr(), segments.starts.data_ptr(),
-                    ADAPTERS, *self.pointers[takes_spans], self.ranks, x.shape[1],
+                    ADAPTERS, *self.pointers[weight_args], self.ranks, x.shape[1],
                     y.shape[1], threads)
         assert status == 0
 
 
-def run_case(fns: dict, takes_spans: dict, model: str, dtype: torch.dtype, rows: int,
+def run_case(fns: dict, weight_args: dict, model: str, dtype: torch.dtype, rows: int,
              rank: int, threads: int, repeats: int, decoder_layers: int = 1) -> str:
     gen = torch.Generator().manual_seed(rows * 7 + rank)
     segments = make_segments([[(i, i + 1) for i in range(g, rows, ADAPTERS + 1)]
@@ -101,7 +113,7 @@ def run_case(fns: dict, takes_spans: dict, model: str, dtype: torch.dtype, rows:
 
     def one_layer(side: str) -> None:
         for layer in layers:
-            layer.run(fns[side], side, takes_spans[side], segments, threads)
+            layer.run(fns[side], side, weight_args[side], segments, threads)
 
     one_layer("old"), one_layer("new")  # one call from y0 on each side, to compare
     diffs = []
@@ -133,9 +145,9 @@ def main() -> None:
     print(f"host ISA: {cpu_features.detect().describe()}; best of {args.repeats}, alternated; "
           f"old = {args.old}, new = working tree; us for one layer's qkv + o + gate_up + down")
     texts = {"old": source_at(args.old, SOURCE), "new": (ROOT / SOURCE).read_text()}
-    takes_spans = {side: "*spans" in text for side, text in texts.items()}
+    weight_args = {side: signature(text) for side, text in texts.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {side: bind(build(text, Path(tmp), f"{side}_lora_sgmv"), takes_spans[side])
+        fns = {side: bind(build(text, Path(tmp), f"{side}_lora_sgmv"), weight_args[side])
                for side, text in texts.items()}
         for model in MODELS:
             if model == "Llama-3.2-1B" and args.skip_1b:
@@ -144,7 +156,7 @@ def main() -> None:
                 for rows in args.rows:
                     for rank in args.ranks:
                         for threads in args.threads:
-                            print(run_case(fns, takes_spans, model, getattr(torch, name), rows,
+                            print(run_case(fns, weight_args, model, getattr(torch, name), rows,
                                            rank, threads, args.repeats,
                                            args.layers or MODELS[model][4]), flush=True)
 

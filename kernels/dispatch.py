@@ -27,6 +27,7 @@ Triton module is imported only for CUDA tensors, so CPU deployments never need t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -390,16 +391,18 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
 # four layers with the loader's block-diagonal fused B, ranks 16 and 64, one thread, on a
 # Zen 4 host (2026-12-04):
 # - AVX-512 builds (16 lanes, 8 rows a pass), float32: native 1.3-2.2x faster at every
-#   row count to 2048; bf16 where oneDNN has AVX512_BF16 (or AMX): native 1.3-3.2x to 16
-#   rows, torch from 64 (0.98 / 0.83 at ranks 16 / 64, 0.56-0.62 at 2048). On the AMX host
-#   the previous kernel lost to torch from 64 rows too (2026-12-02); not remeasured there.
+#   row count to 2048. bf16 with AVX512_BF16 (the kernel's bf16 pair dot products against
+#   oneDNN's AVX512_BF16 GEMM): native 1.03-3.7x at every count to 2048, 1.5-2x for a
+#   prefill's segment of 48-row runs.
+# - AMX: oneDNN runs torch's bf16 matmuls on the tiles, and beat the previous kernel from
+#   64 rows (2026-12-02); the pair kernel has not been measured there, so 64 stays.
 # - avx2 builds (the same host capped), float32: native 1.07-1.65x to 16 rows, torch from
 #   32-64 (0.83-0.97); bf16: native 14-48x at every count (torch has no bf16 unit).
 LORA_TORCH_MIN_ROWS: dict[str, dict[torch.dtype, int | None]] = {
     "baseline": {torch.float32: 64, torch.bfloat16: None},
     "avx2": {torch.float32: 64, torch.bfloat16: None},
     "avx512": {torch.float32: None, torch.bfloat16: None},
-    "avx512_bf16": {torch.float32: None, torch.bfloat16: 64},
+    "avx512_bf16": {torch.float32: None, torch.bfloat16: None},
     "amx": {torch.float32: None, torch.bfloat16: 64},
 }
 
@@ -408,6 +411,16 @@ def lora_torch_min_rows(dtype: torch.dtype) -> int | None:
     """The segment length from which torch runs an adapter's update on this host."""
     isa = cpu_features.detect().isa
     return LORA_TORCH_MIN_ROWS.get(isa, LORA_TORCH_MIN_ROWS["baseline"]).get(dtype)
+
+
+def prepare_lora(a: torch.Tensor, b: torch.Tensor) -> LoRAWeights:
+    """One adapter's layer update, A [rank, in] and B [out, rank], in the layouts the
+    kernels that will run it read: with bf16 pairs where the native kernel runs its bf16
+    dot products (kernels/cpu/lora.py)."""
+    weights = LoRAWeights.of(a, b)
+    if a.dtype == torch.bfloat16 and a.is_cpu and cpu_lora.runs_pairs():
+        return replace(weights, pairs=cpu_lora.pairs_of(weights.a, weights.b))
+    return weights
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,

@@ -24,10 +24,13 @@ class LoRAWeights:
     `rank_spans` (int32 [ceil(out / SPAN_COLUMNS), 2], CPU) holds, for each SPAN_COLUMNS
     output columns, the ranks [lo, hi) whose B entries there are not all zero ([0, 0) for
     none): a fused layer's B is block-diagonal over its parts, and the expand skips the
-    other parts' ranks."""
+    other parts' ranks. `pairs`: the same A^T and B^T packed for the native kernel's
+    bf16 dot products (kernels/cpu/lora.py pack_pairs), where kernels.dispatch.prepare_lora
+    found that it runs them; None elsewhere."""
     a: torch.Tensor
     b: torch.Tensor
     rank_spans: torch.Tensor
+    pairs: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def of(cls, a: torch.Tensor, b: torch.Tensor) -> "LoRAWeights":

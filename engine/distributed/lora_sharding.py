@@ -12,6 +12,7 @@ import torch
 
 from engine.distributed.sharding import HeadShard, even_slice, head_shard
 from engine.models.llama import head_dim_of
+from kernels import dispatch
 from kernels.dispatch import LoRAWeights
 
 
@@ -26,11 +27,11 @@ class LoRASharder:
     def __call__(self, name: str, module: LoRAWeights) -> LoRAWeights:
         kind = name.rsplit(".", 1)[1]
         if kind == "qkv_proj":
-            return LoRAWeights.of(module.a, _rows(module.b, self.qkv_rows))
+            return dispatch.prepare_lora(module.a, _rows(module.b, self.qkv_rows))
         if kind == "gate_up_proj":
-            return LoRAWeights.of(module.a, _rows(module.b, self.gate_up_rows))
+            return dispatch.prepare_lora(module.a, _rows(module.b, self.gate_up_rows))
         start, end = self.o_columns if kind == "o_proj" else self.down_columns
-        return LoRAWeights.of(module.a[:, start:end], module.b)
+        return dispatch.prepare_lora(module.a[:, start:end], module.b)
 
 
 def lora_sharder(hf_config, world_size: int, rank: int) -> LoRASharder:

@@ -13,6 +13,7 @@ import torch
 
 from engine.lora.request import LoRARequest
 from engine.models.lora_linear import LoRATarget
+from kernels import dispatch
 from kernels.dispatch import LoRAWeights
 
 CONFIG_FILE = "adapter_config.json"
@@ -216,5 +217,5 @@ def _stack(target: LoRATarget, parts: dict[int, tuple[torch.Tensor, torch.Tensor
             b_all[out_start:out_start + out_features, col:col + r] = b.float() * scaling
             col += r
         out_start += out_features
-    return LoRAWeights.of(a_all.to(device=device, dtype=dtype),
-                          b_all.to(device=device, dtype=dtype))
+    return dispatch.prepare_lora(a_all.to(device=device, dtype=dtype),
+                                 b_all.to(device=device, dtype=dtype))

@@ -8,6 +8,7 @@ from functools import lru_cache
 
 import torch
 
+from kernels.cpu import features as cpu_features
 from kernels.cpu import native as cpu_native
 from kernels.lora_ops import SPAN_COLUMNS, LoRASegments, SegmentWeights
 
@@ -18,7 +19,31 @@ _DTYPES = (torch.float32, torch.bfloat16)
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return cpu_native.bind({"lora_sgmv": (_I32, [_I32, _P, _I64, _P, _I64, _P, _P, _I32, _P,
-                                                 _P, _P, _P, _I64, _I64, _I32])})
+                                                 _P, _P, _P, _P, _P, _I64, _I64, _I32])})
+
+
+# Lanes of the packed weights' padding: one AVX-512 vector of float32 sums.
+PAIR_LANES = 16
+
+
+def runs_pairs() -> bool:
+    """Whether this host's build runs bf16 updates as dot products of bf16 pairs: AVX512_BF16
+    (kernels/cpu/lora_sgmv.c; a capped ISA drops it from the build too)."""
+    return _library() is not None and cpu_features.detect().isa in ("avx512_bf16", "amx")
+
+
+def pack_pairs(m: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> [ceil(K / 2), N padded to PAIR_LANES, 2], zero-padded: rows 2p and 2p + 1 of
+    m side by side in one 32-bit lane, the operand layout of AVX512_BF16's dot product."""
+    k, n = m.shape
+    padded = torch.zeros(-(-k // 2) * 2, -(-n // PAIR_LANES) * PAIR_LANES, dtype=m.dtype)
+    padded[:k, :n] = m
+    return padded.view(-1, 2, padded.shape[1]).transpose(1, 2).contiguous()
+
+
+def pairs_of(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A [rank, in] and B [out, rank] packed as lora_sgmv's at_pairs and bt_pairs read them."""
+    return pack_pairs(a.t()), pack_pairs(b.t())
 
 
 def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
@@ -32,7 +57,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
         return False
     n = segments.num_segments
     a_ptrs, b_ptrs = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
-    span_ptrs = (ctypes.c_void_p * n)()
+    span_ptrs, a_pair_ptrs, b_pair_ptrs = ((ctypes.c_void_p * n)() for _ in range(3))
     ranks = (ctypes.c_int32 * n)()
     in_features, out_features = x.shape[1], y.shape[1]
     blocks = -(-out_features // SPAN_COLUMNS)
@@ -49,9 +74,12 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
             return False
         a_ptrs[g], b_ptrs[g], span_ptrs[g], ranks[g] = (a.data_ptr(), b.data_ptr(),
                                                         spans.data_ptr(), rank)
+        if w.pairs is not None and _pairs_fit(w.pairs, rank, in_features, out_features):
+            a_pair_ptrs[g], b_pair_ptrs[g] = w.pairs[0].data_ptr(), w.pairs[1].data_ptr()
     status = lib.lora_sgmv(int(dtype == torch.bfloat16), x.data_ptr(), x.stride(0),
                            y.data_ptr(), y.stride(0), segments.rows.data_ptr(),
-                           segments.starts.data_ptr(), n, a_ptrs, b_ptrs, span_ptrs, ranks,
+                           segments.starts.data_ptr(), n, a_ptrs, b_ptrs, span_ptrs,
+                           a_pair_ptrs, b_pair_ptrs, ranks,
                            in_features, out_features, torch.get_num_threads())
     return status == 0
 
@@ -62,3 +90,13 @@ def _column_major(t: torch.Tensor) -> bool:
     rows, cols = t.shape
     row_step, col_step = t.stride()
     return (rows == 1 or row_step == 1) and (cols == 1 or col_step == rows)
+
+
+def _pairs_fit(pairs: tuple[torch.Tensor, torch.Tensor], rank: int, in_features: int,
+               out_features: int) -> bool:
+    a_pairs, b_pairs = pairs
+    lanes = lambda n: -(-n // PAIR_LANES) * PAIR_LANES  # noqa: E731
+    return (a_pairs.dtype == b_pairs.dtype == torch.bfloat16
+            and a_pairs.shape == (-(-in_features // 2), lanes(rank), 2)
+            and b_pairs.shape == (-(-rank // 2), lanes(out_features), 2)
+            and a_pairs.is_contiguous() and b_pairs.is_contiguous())

@@ -283,15 +283,157 @@ static void rows_update(float *const *xs, void *const *ys, int n, const void *at
     }
 }
 
+#if defined(__AVX512BF16__) && VW == 16
+/* bf16 on AVX512_BF16: vdpbf16ps multiplies two bf16 pairs into a float32 lane, twice the
+ * multiply-adds of vfmadd231ps an instruction, on operands that need no widening. The
+ * weights come packed two consecutive summands to a 32-bit lane (kernels/cpu/lora.py
+ * pack_pairs): A^T as [ceil(in / 2)][rank16][2], B^T as [ceil(rank / 2)][out16][2], rank16
+ * and out16 the next multiples of 16, zero-padded. x's rows are read as they are, a pair
+ * at a time. Each output lane is again one chain of dot products in a fixed order. */
+#define HAS_PAIRS 1
+
+typedef uint16_t pair_rank_row[LORA_MAX_RANK + 16]; /* the shrink result in bf16 */
+
+static inline uint32_t pair_at(const uint16_t *p) {
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline __m512bh splat_pair(uint32_t pair) {
+    return (__m512bh)_mm512_set1_epi32((int)pair);
+}
+
+static inline __m512bh load_pairs(const uint32_t *p) {
+    return (__m512bh)_mm512_loadu_si512(p);
+}
+
+INLINE void shrink_pairs_group(const int n, const int kb, const uint16_t *const *xh,
+                               const uint32_t *ap, int64_t rank16, int64_t in, int64_t k0,
+                               pair_rank_row *t) {
+    __m512 acc[ROWS][KB];
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < kb; j++) acc[r][j] = _mm512_setzero_ps();
+    const int64_t pairs = (in + 1) / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh a[KB];
+        for (int j = 0; j < kb; j++) a[j] = load_pairs(ap + p * rank16 + k0 + j * VW);
+        for (int r = 0; r < n; r++) {
+            /* an odd row's last pair pads x with +0: x[in] is not x's */
+            const uint32_t pair = 2 * p + 1 < in ? pair_at(xh[r] + 2 * p) : xh[r][2 * p];
+            const __m512bh xb = splat_pair(pair);
+            for (int j = 0; j < kb; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xb, a[j]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < kb; j++) {
+            const vh v = narrow((vf)acc[r][j]);
+            memcpy(&t[r][k0 + j * VW], &v, sizeof v);
+        }
+}
+
+INLINE void shrink_pairs(const int n, const uint16_t *const *xh, const uint32_t *ap,
+                         int64_t rank16, int64_t in, pair_rank_row *t) {
+    for (int64_t k0 = 0; k0 < rank16; k0 += KB * VW) {
+        const int64_t left = (rank16 - k0) / VW;
+        if (left >= KB) shrink_pairs_group(n, KB, xh, ap, rank16, in, k0, t);
+        else if (left == 1) shrink_pairs_group(n, 1, xh, ap, rank16, in, k0, t);
+        else shrink_pairs_group(n, 2, xh, ap, rank16, in, k0, t);
+    }
+}
+
+/* y[r] += the update's lanes [o, o + VW) that lie below out */
+static inline void add_update(void *y_row, int64_t o, int64_t out, vf update) {
+    uint16_t *y = (uint16_t *)y_row + o;
+    const vf rounded = widen_bits(narrow(update));
+    if (o + VW <= out) {
+        const vh packed = narrow(widen(y) + rounded);
+        memcpy(y, &packed, sizeof packed);
+        return;
+    }
+    uint16_t lanes[VW] = {0};
+    memcpy(lanes, y, (size_t)(out - o) * 2);
+    const vh packed = narrow(widen(lanes) + rounded);
+    memcpy(y, &packed, (size_t)(out - o) * 2);
+}
+
+INLINE void expand_pairs_cols(const int n, const int ob, pair_rank_row *t, const uint32_t *bp,
+                              int64_t out16, int64_t out, int64_t o, int q_lo, int q_hi,
+                              void *const *ys) {
+    __m512 acc[ROWS][OB];
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < ob; j++) acc[r][j] = _mm512_setzero_ps();
+    for (int q = q_lo; q < q_hi; q++) {
+        __m512bh b[OB];
+        for (int j = 0; j < ob; j++) b[j] = load_pairs(bp + q * out16 + o + j * VW);
+        for (int r = 0; r < n; r++) {
+            const __m512bh tb = splat_pair(pair_at(t[r] + 2 * q));
+            for (int j = 0; j < ob; j++) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], tb, b[j]);
+        }
+    }
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < ob; j++) add_update(ys[r], o + j * VW, out, (vf)acc[r][j]);
+}
+
+INLINE void expand_pairs(const int n, pair_rank_row *t, const uint32_t *bp,
+                         const int32_t *spans, int64_t out, void *const *ys) {
+    const int64_t out16 = (out + VW - 1) / VW * VW;
+    int lo, hi;
+    int64_t o = 0;
+    for (; o < out16; o += OB * VW) {
+        const int ob = o + OB * VW <= out16 ? OB : 1;
+        const int64_t last = o + ob * VW <= out ? o + ob * VW - 1 : out - 1;
+        span_of(spans, o, last, &lo, &hi);
+        if (o + 2 * OB * VW <= out16) {  /* as expand_rows: the next block's lines into L2 */
+            int nlo, nhi;
+            const int64_t next = o + OB * VW;
+            span_of(spans, next, next + OB * VW - 1 < out ? next + OB * VW - 1 : out - 1,
+                    &nlo, &nhi);
+            for (int q = nlo / 2; q < (nhi + 1) / 2; q++) {
+                const char *line = (const char *)(bp + q * out16 + next);
+                prefetch_l2(line);
+                prefetch_l2(line + 64);
+            }
+        }
+        if (lo >= hi) continue;
+        if (ob == OB) expand_pairs_cols(n, OB, t, bp, out16, out, o, lo / 2, (hi + 1) / 2, ys);
+        else expand_pairs_cols(n, 1, t, bp, out16, out, o, lo / 2, (hi + 1) / 2, ys);
+    }
+}
+
+INLINE void pass_pairs(const int n, const uint16_t *const *xh, void *const *ys,
+                       const uint32_t *ap, const uint32_t *bp, const int32_t *spans,
+                       int rank, int64_t in, int64_t out) {
+    pair_rank_row t[ROWS];
+    shrink_pairs(n, xh, ap, (rank + VW - 1) / VW * VW, in, t);
+    expand_pairs(n, t, bp, spans, out, ys);
+}
+
+static void pairs_update(const uint16_t *const *xh, void *const *ys, int n, const void *ap,
+                         const void *bp, const int32_t *spans, int rank, int64_t in,
+                         int64_t out) {
+    switch (n) {
+#define PASS(N) case N: pass_pairs(N, xh, ys, ap, bp, spans, rank, in, out); break;
+        PASS(1) PASS(2) PASS(3) PASS(4) PASS(5) PASS(6) PASS(7) PASS(8)
+#undef PASS
+        default: break;
+    }
+}
+#endif
+
 /* x [*, in] and y [*, out] with row strides (elements, unit column stride); at[g] (A^T,
  * [rank, ...] see above), bt[g] (B^T) and spans[g] (int32 [ceil(out / SPAN_COLUMNS)][2],
  * each block's ranks [lo, hi) with a nonzero B entry) the segment's weights, NULL where
- * that adapter has no update for this layer. Returns 0, or -1 for a rank or width this
- * kernel does not take (the caller runs torch then). */
+ * that adapter has no update for this layer; at_pairs[g] and bt_pairs[g] the same A^T and
+ * B^T packed in pairs (bf16; NULL: none), which a build with AVX512_BF16 runs on. Returns
+ * 0, or -1 for a rank or width this kernel does not take (the caller runs torch then). */
 int lora_sgmv(int is_bf16, const void *x, int64_t x_stride, void *y, int64_t y_stride,
               const int64_t *rows, const int64_t *starts, int num_segments,
               const void *const *at, const void *const *bt, const int32_t *const *spans,
+              const void *const *at_pairs, const void *const *bt_pairs,
               const int32_t *ranks, int64_t in, int64_t out, int num_threads) {
+    (void)at_pairs;
+    (void)bt_pairs;
     if (in > LORA_MAX_IN || num_segments > 4096) return -1;
     int64_t blocks = 0, work = 0;
     int64_t first_block[4097];
@@ -315,6 +457,19 @@ int lora_sgmv(int is_bf16, const void *x, int64_t x_stride, void *y, int64_t y_s
             const int64_t pos = starts[g] + (blk - first_block[g]) * ROWS;
             const int64_t end = starts[g + 1];
             const int n = end - pos < ROWS ? (int)(end - pos) : ROWS;
+#ifdef HAS_PAIRS
+            if (is_bf16 && at_pairs[g] != NULL && bt_pairs[g] != NULL) {
+                const uint16_t *xh[ROWS];
+                void *ys[ROWS];
+                for (int r = 0; r < n; r++) {
+                    const int64_t row = rows[pos + r];
+                    xh[r] = (const uint16_t *)x + row * x_stride;
+                    ys[r] = (uint16_t *)y + row * y_stride;
+                }
+                pairs_update(xh, ys, n, at_pairs[g], bt_pairs[g], spans[g], ranks[g], in, out);
+                continue;
+            }
+#endif
             float *xs[ROWS];
             void *ys[ROWS];
             for (int r = 0; r < n; r++) {

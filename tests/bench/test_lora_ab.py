@@ -16,11 +16,11 @@ STORE = "const vf v = loadf(y) + acc[r][j];"
 def _report(new_text_of) -> str:
     texts = {"old": source_at("HEAD", ab.SOURCE),
              "new": new_text_of((ROOT / ab.SOURCE).read_text())}
-    takes_spans = {side: "*spans" in text for side, text in texts.items()}
+    weight_args = {side: ab.signature(text) for side, text in texts.items()}
     with tempfile.TemporaryDirectory() as tmp:
-        fns = {side: ab.bind(build(text, Path(tmp), f"{side}_lora"), takes_spans[side])
+        fns = {side: ab.bind(build(text, Path(tmp), f"{side}_lora"), weight_args[side])
                for side, text in texts.items()}
-        return ab.run_case(fns, takes_spans, "tiny", torch.float32, rows=12, rank=4,
+        return ab.run_case(fns, weight_args, "tiny", torch.float32, rows=12, rank=4,
                            threads=1, repeats=1, decoder_layers=2)
 
 

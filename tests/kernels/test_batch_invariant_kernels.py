@@ -45,14 +45,16 @@ def test_invariant_linear_rows_are_bit_equal_for_any_row_count(dtype, n):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_invariant_lora_rows_are_bit_equal_in_any_segment(dtype):
+@pytest.mark.parametrize("prepare", [LoRAWeights.of, dispatch.prepare_lora])
+def test_invariant_lora_rows_are_bit_equal_in_any_segment(dtype, prepare):
     """Two adapters' segments (one split in two runs) and a base row between them: each
-    row's update equals the one it gets alone, natively and on the torch fallback."""
+    row's update equals the one it gets alone, natively and on the torch fallback; natively
+    also with bf16 pairs where the build runs them (dispatch.prepare_lora)."""
     g = torch.Generator().manual_seed(8)
     k, n = 100, 44  # tails past the kernel's 8-wide loops
     x, base = torch.randn(11, k, generator=g).to(dtype), torch.randn(11, n, generator=g)
-    weights = [LoRAWeights.of(torch.randn(r, k, generator=g).to(dtype) / 4,
-                           torch.randn(n, r, generator=g).to(dtype) / 4) for r in (8, 3)]
+    weights = [prepare(torch.randn(r, k, generator=g).to(dtype) / 4,
+                       torch.randn(n, r, generator=g).to(dtype) / 4) for r in (8, 3)]
     segments = make_segments([[(0, 5), (8, 11)], [(5, 7)]])
     adapter_of = {r: 0 for r in (*range(5), 8, 9, 10)} | {5: 1, 6: 1}
     for add in (lambda *a: dispatch.lora_add(*a, batch_invariant=True),

@@ -56,6 +56,54 @@ def test_native_kernel_matches_torch(dtype, shape):
     assert torch.equal(got[untouched], y[untouched])
 
 
+def test_pack_pairs_puts_two_consecutive_rows_in_one_lane():
+    m = torch.arange(1, 3 * 5 + 1, dtype=torch.float32).view(3, 5).to(torch.bfloat16)
+    packed = cpu_lora.pack_pairs(m)
+    assert packed.shape == (2, cpu_lora.PAIR_LANES, 2) and packed.is_contiguous()
+    for p in range(2):
+        for n in range(cpu_lora.PAIR_LANES):
+            for half in range(2):
+                k = 2 * p + half
+                expected = m[k, n].item() if k < 3 and n < 5 else 0.0
+                assert packed[p, n, half].item() == expected, (p, n, half)
+
+
+def test_prepare_lora_packs_pairs_where_the_native_kernel_runs_them():
+    a, b = torch.randn(4, 10), torch.randn(6, 4)
+    assert dispatch.prepare_lora(a, b).pairs is None  # float32
+    bf16 = dispatch.prepare_lora(a.bfloat16(), b.bfloat16())
+    assert (bf16.pairs is not None) == cpu_lora.runs_pairs()
+    assert cpu_lora.runs_pairs() == (cpu_lora._library() is not None and
+                                     cpu_features.detect().isa in ("avx512_bf16", "amx"))
+    assert torch.equal(bf16.a, a.bfloat16()) and torch.equal(bf16.b, b.bfloat16())
+
+
+@pytest.mark.skipif(not cpu_lora.runs_pairs(),
+                    reason="no AVX512_BF16 build here: bf16 runs as float32 FMAs (above)")
+# odd in (37): x's last pair padded; ranks 48, 8, 1 and out 130: padded lanes; spans of a
+# fused B below.
+@pytest.mark.parametrize("shape", [(64, 48, (16, None, 3)), (37, 130, (48, 8, 1))])
+def test_bf16_pairs_match_torch(shape):
+    in_features, out_features, ranks = shape
+    x, y, plain = _case(torch.bfloat16, in_features, out_features, ranks)
+    weights = [None if w is None else dispatch.prepare_lora(w.a, w.b) for w in plain]
+    assert all(w is None or w.pairs is not None for w in weights)
+    segments = make_segments(RUNS)
+    expected = _reference(x, y, segments, weights)
+    got = y.clone()
+    assert cpu_lora.lora_add(x, got, segments, weights)
+    torch.testing.assert_close(got, expected, **TOLERANCE[torch.bfloat16])
+    untouched = list(range(3, 6)) + list(range(20, 23))
+    assert torch.equal(got[untouched], y[untouched])
+    # pairs that do not fit the layer are left aside: the plain bf16 path runs
+    stale = [None if w is None else replace(w, pairs=(w.pairs[0][:-1], w.pairs[1]))
+             for w in weights]
+    got_plain, got_stale = y.clone(), y.clone()
+    assert cpu_lora.lora_add(x, got_plain, segments, plain)
+    assert cpu_lora.lora_add(x, got_stale, segments, stale)
+    assert torch.equal(got_stale, got_plain)
+
+
 def test_native_kernel_declines_what_it_does_not_take():
     x, y, weights = _case(torch.float32, 16, 8, (4, None, 2))
     segments = make_segments(RUNS)
@@ -102,8 +150,8 @@ def test_native_kernel_reads_only_the_spans_ranks(dtype):
     b = torch.zeros(80, 48)
     b[:48, :16] = torch.randn(48, 16, generator=gen)  # columns 0..47: ranks 0..15
     b[48:, 32:] = torch.randn(32, 16, generator=gen)  # columns 48..79: ranks 32..47 (16..31 idle)
-    fused = LoRAWeights.of(torch.randn(48, 64, generator=gen).to(dtype) * 0.3,
-                           (b * 0.3).to(dtype))
+    fused = dispatch.prepare_lora(torch.randn(48, 64, generator=gen).to(dtype) * 0.3,
+                                  (b * 0.3).to(dtype))  # bf16 pairs where they run
     assert fused.rank_spans.tolist() == [[0, 16]] * 3 + [[32, 48]] * 2
     segments = make_segments(RUNS)
     weights = [fused, None, fused]
