@@ -3,13 +3,16 @@
   python -m bench.profile_step --workload fixed|variable [--num-prompts N] [--threads 1]
   python -m bench.profile_step --workload fixed --lora-adapters 4 [--lora-rank 16]
       (bench_generate's LoRA workload: random adapters + the base, round-robin)
+  python -m bench.profile_step ... --threads 2 --wall
 
 Runs the workload through LLM.generate with each part of a step (the model's kernels
 through kernels.dispatch, input preparation, sampling, scheduler, output processing)
 wrapped in a timer of the engine thread's CPU time (time.thread_time), exclusive of the
 parts nested in it. At one thread every kernel runs on that thread, so the figures do
 not count time the host's other processes took from us, which wall time on a shared
-host does. Steps are split by kind: decodes only, or with prefill rows.
+host does. Steps are split by kind: decodes only, or with prefill rows. --wall times by
+the wall clock instead: at several threads a kernel's other threads work while the engine
+thread waits, and only the wall clock sees that (it also sees the host's other load).
 """
 from __future__ import annotations
 
@@ -38,9 +41,12 @@ from kernels.cpu import features as cpu_features
 
 
 class PartTimer:
-    """Exclusive CPU time per part; the current step's figures go to its kind at its end."""
+    """Exclusive time per part by `clock` (the engine thread's CPU time by default); the
+    current step's figures go to its kind at its end."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.thread_time) -> None:
+        self.clock = clock
+        self.unit = "CPU" if clock is time.thread_time else "wall"
         self.stack: list[list] = []  # [part, start, nested time]
         self.step: dict[str, float] = defaultdict(float)
         self.kind = "decode"
@@ -52,12 +58,12 @@ class PartTimer:
         @wraps(fn)
         def timed(*args, **kwargs):
             name = part(self) if callable(part) else part
-            frame = [name, time.thread_time(), 0.0]
+            frame = [name, self.clock(), 0.0]
             self.stack.append(frame)
             try:
                 return fn(*args, **kwargs)
             finally:
-                elapsed = time.thread_time() - frame[1]
+                elapsed = self.clock() - frame[1]
                 self.stack.pop()
                 self.step[name] += elapsed - frame[2]
                 if self.stack:
@@ -79,7 +85,7 @@ class PartTimer:
             total = sum(parts.values())
             steps = self.steps[kind]
             print(f"\n{kind}: {steps} steps, {self.tokens[kind]} scheduled tokens, "
-                  f"{total:.2f} s CPU = {1e3 * total / max(steps, 1):.2f} ms/step")
+                  f"{total:.2f} s {self.unit} = {1e3 * total / max(steps, 1):.2f} ms/step")
             for name, seconds in sorted(parts.items(), key=lambda kv: -kv[1]):
                 print(f"  {name:<28}{1e3 * seconds / max(steps, 1):>10.3f} ms/step"
                       f"{100 * seconds / total:>8.1f}%")
@@ -126,10 +132,14 @@ def main() -> None:
     ap.add_argument("--workload", choices=["fixed", "variable"], default="fixed")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--wall", action="store_true",
+                    help="time parts by the wall clock, not the engine thread's CPU time")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--lora-adapters", type=int, default=0)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=0,
+                    help="new tokens per request (0: the workload's, or --lora-max-tokens)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lora_args = {} if not args.lora_adapters else engine_lora_args(args.lora_adapters,
@@ -139,10 +149,12 @@ def main() -> None:
     w = make_workload(args.workload, llm.get_tokenizer(), count=args.num_prompts)
     tmp = tempfile.TemporaryDirectory() if args.lora_adapters else None
     loras = None if tmp is None else _lora_requests(w, args, Path(tmp.name))
+    if args.max_tokens:
+        w.max_tokens = [args.max_tokens] * len(w.prompts)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in w.max_tokens]
     llm.generate(w.prompts[:2], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     llm.llm_engine.reset_prefix_cache()
-    timer = PartTimer()
+    timer = PartTimer(time.perf_counter if args.wall else time.thread_time)
     install(timer)
     engine = llm.llm_engine
     engine.step = timer.wrap("step (engine glue)", engine.step)
