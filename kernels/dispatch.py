@@ -389,7 +389,7 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
 # the rows) beat the native kernel, by the CPU's level (kernels/cpu/features.py; other
 # machines: as baseline) and dtype; None: never. bench/bench_lora_dispatch.py, SmolLM2's
 # four layers with the loader's block-diagonal fused B, ranks 16 and 64, one thread, on a
-# Zen 4 host (2026-12-04):
+# Zen 4 host (2026-12-05, docs/BENCHMARKS.md):
 # - AVX-512 builds (16 lanes, 8 rows a pass), float32: native 1.3-2.2x faster at every
 #   row count to 2048. bf16 with AVX512_BF16 (the kernel's bf16 pair dot products against
 #   oneDNN's AVX512_BF16 GEMM): native 1.03-3.7x at every count to 2048, 1.5-2x for a

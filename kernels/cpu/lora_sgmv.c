@@ -238,8 +238,8 @@ INLINE void expand_rows(const int n, rank_row *t, const void *bt, const int32_t 
         span_of(spans, o, o + OB * VW - 1, &lo, &hi);
         if (o + 2 * OB * VW <= outv) {
             /* The next column block's lines of B^T into L2: its ranks lie a row of B^T
-             * apart, a page apart at these widths, where the hardware prefetchers do not
-             * follow. 1.09-1.18x with each layer's weights streamed from memory
+             * apart (1-12 KB at SmolLM2's widths), a stride the hardware prefetchers do
+             * not follow. 1.09-1.18x with each layer's weights streamed from memory
              * (bench/bench_lora_ab.py); prefetching a block further ahead, all of B^T
              * before the shrink, or A^T's stream gained nothing more. */
             int nlo, nhi;
