@@ -472,5 +472,5 @@ def _triton_lora_fits(x: torch.Tensor, y: torch.Tensor, weights: SegmentWeights)
     return (x.dim() == 2 and y.dtype == x.dtype and x.stride(1) == 1 and y.stride(1) == 1
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
             and all(w is None or (w.a.dtype == x.dtype and w.b.dtype == x.dtype
-                                  and w.a.t().is_contiguous() and w.b.t().is_contiguous())
+                                  and w.in_kernel_layout())
                     for w in weights))

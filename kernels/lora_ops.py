@@ -42,6 +42,19 @@ class LoRAWeights:
     def rank(self) -> int:
         return self.a.shape[0]
 
+    def in_kernel_layout(self) -> bool:
+        """A and B column-major as `of` lays them out (the kernels check it each call)."""
+        return _column_major(self.a) and _column_major(self.b)
+
+
+def _column_major(t: torch.Tensor) -> bool:
+    """Element (r, c) of the 2-D `t` at c * rows + r: t.t().is_contiguous(), told by the
+    strides alone; it runs for every wrapped layer of every step, and a view costs more."""
+    rows, cols = t.shape
+    row_step, col_step = t.stride()
+    return (t.numel() == 0 or ((rows == 1 or row_step == 1)
+                               and (cols == 1 or col_step == rows)))
+
 
 def rank_spans(b: torch.Tensor) -> torch.Tensor:
     """LoRAWeights.rank_spans of B [out, rank]."""

@@ -36,7 +36,7 @@ def pack_pairs(m: torch.Tensor) -> torch.Tensor:
     """[K, N] -> [ceil(K / 2), N padded to PAIR_LANES, 2], zero-padded: rows 2p and 2p + 1 of
     m side by side in one 32-bit lane, the operand layout of AVX512_BF16's dot product."""
     k, n = m.shape
-    padded = torch.zeros(-(-k // 2) * 2, -(-n // PAIR_LANES) * PAIR_LANES, dtype=m.dtype)
+    padded = torch.zeros(-(-k // 2) * 2, _lanes(n), dtype=m.dtype)
     padded[:k, :n] = m
     return padded.view(-1, 2, padded.shape[1]).transpose(1, 2).contiguous()
 
@@ -68,7 +68,7 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
         rank = a.shape[0]
         if (a.shape[1] != in_features or b.shape != (out_features, rank)
                 or a.dtype != dtype or b.dtype != dtype
-                or not _column_major(a) or not _column_major(b)
+                or not w.in_kernel_layout()
                 or spans.dtype != torch.int32 or spans.shape != (blocks, 2)
                 or not spans.is_contiguous()):
             return False
@@ -84,19 +84,15 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: LoRASegments,
     return status == 0
 
 
-def _column_major(t: torch.Tensor) -> bool:
-    """Element (r, c) of the 2-D `t` at c * rows + r (LoRAWeights' A and B), told by its
-    strides: this runs for every wrapped layer of every step, and a view costs more."""
-    rows, cols = t.shape
-    row_step, col_step = t.stride()
-    return (rows == 1 or row_step == 1) and (cols == 1 or col_step == rows)
-
-
 def _pairs_fit(pairs: tuple[torch.Tensor, torch.Tensor], rank: int, in_features: int,
                out_features: int) -> bool:
     a_pairs, b_pairs = pairs
-    lanes = lambda n: -(-n // PAIR_LANES) * PAIR_LANES  # noqa: E731
     return (a_pairs.dtype == b_pairs.dtype == torch.bfloat16
-            and a_pairs.shape == (-(-in_features // 2), lanes(rank), 2)
-            and b_pairs.shape == (-(-rank // 2), lanes(out_features), 2)
+            and a_pairs.shape == (-(-in_features // 2), _lanes(rank), 2)
+            and b_pairs.shape == (-(-rank // 2), _lanes(out_features), 2)
             and a_pairs.is_contiguous() and b_pairs.is_contiguous())
+
+
+def _lanes(n: int) -> int:
+    """n padded to whole vectors of PAIR_LANES."""
+    return -(-n // PAIR_LANES) * PAIR_LANES

@@ -180,6 +180,25 @@ static inline void span_of(const int32_t *spans, int64_t first, int64_t last, in
     }
 }
 
+/* bf16 y[0 .. VW) += update, the update rounded to bf16 first, as torch rounds it. */
+static inline void add_update_vector(uint16_t *y, vf update) {
+    const vh packed = narrow(widen(y) + widen_bits(narrow(update)));
+    memcpy(y, &packed, sizeof packed);
+}
+
+/* The same for a row's y[o .. o + VW), the lanes below out only. */
+static inline void add_update(void *y_row, int64_t o, int64_t out, vf update) {
+    uint16_t *y = (uint16_t *)y_row + o;
+    if (o + VW <= out) {
+        add_update_vector(y, update);
+        return;
+    }
+    uint16_t lanes[VW] = {0};
+    memcpy(lanes, y, (size_t)(out - o) * 2);
+    add_update_vector(lanes, update);
+    memcpy(y, lanes, (size_t)(out - o) * 2);
+}
+
 /* y[r][o .. o + ob VW) += t[r] B^T over ranks [lo, hi), for the pass's n rows. */
 INLINE void expand_cols(const int n, const int ob, rank_row *t, const void *bt, int64_t out,
                         int64_t o, int lo, int hi, void *const *ys, int bf16) {
@@ -197,10 +216,7 @@ INLINE void expand_cols(const int n, const int ob, rank_row *t, const void *bt, 
     for (int r = 0; r < n; r++)
         for (int j = 0; j < ob; j++) {
             if (bf16) {
-                uint16_t *y = (uint16_t *)ys[r] + o + j * VW;
-                /* the update rounded to bf16 first, as torch rounds it */
-                const vh packed = narrow(widen(y) + widen_bits(narrow(acc[r][j])));
-                memcpy(y, &packed, sizeof packed);
+                add_update_vector((uint16_t *)ys[r] + o + j * VW, acc[r][j]);
             } else {
                 float *y = (float *)ys[r] + o + j * VW;
                 const vf v = loadf(y) + acc[r][j];
@@ -342,21 +358,6 @@ INLINE void shrink_pairs(const int n, const uint16_t *const *xh, const uint32_t 
     }
 }
 
-/* y[r] += the update's lanes [o, o + VW) that lie below out */
-static inline void add_update(void *y_row, int64_t o, int64_t out, vf update) {
-    uint16_t *y = (uint16_t *)y_row + o;
-    const vf rounded = widen_bits(narrow(update));
-    if (o + VW <= out) {
-        const vh packed = narrow(widen(y) + rounded);
-        memcpy(y, &packed, sizeof packed);
-        return;
-    }
-    uint16_t lanes[VW] = {0};
-    memcpy(lanes, y, (size_t)(out - o) * 2);
-    const vh packed = narrow(widen(lanes) + rounded);
-    memcpy(y, &packed, (size_t)(out - o) * 2);
-}
-
 INLINE void expand_pairs_cols(const int n, const int ob, pair_rank_row *t, const uint32_t *bp,
                               int64_t out16, int64_t out, int64_t o, int q_lo, int q_hi,
                               void *const *ys) {
@@ -384,7 +385,7 @@ INLINE void expand_pairs(const int n, pair_rank_row *t, const uint32_t *bp,
         const int ob = o + OB * VW <= out16 ? OB : 1;
         const int64_t last = o + ob * VW <= out ? o + ob * VW - 1 : out - 1;
         span_of(spans, o, last, &lo, &hi);
-        if (o + 2 * OB * VW <= out16) {  /* as expand_rows: the next block's lines into L2 */
+        if (o + 2 * OB * VW <= out16) {
             int nlo, nhi;
             const int64_t next = o + OB * VW;
             span_of(spans, next, next + OB * VW - 1 < out ? next + OB * VW - 1 : out - 1,
