@@ -90,6 +90,10 @@ class ZmqEventPublisher:
             if config.replay_endpoint:
                 opening = ("replay_endpoint", config.replay_endpoint)
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                # A ROUTER drops what passes its send hwm without a word (ZMQ's default
+                # is 1000 messages): one replay must fit whole, the buffer plus the end
+                # marker, or a client that reads slower than we send loses the middle.
+                self._replay.set_hwm(config.buffer_steps + 1)
                 self._replay.bind(config.replay_endpoint)
         except zmq.ZMQError as exc:
             self._close_sockets()

@@ -4,6 +4,7 @@ that is full refuses the batch at once, counting it, with one log line."""
 from __future__ import annotations
 
 import logging
+import time
 
 import zmq
 
@@ -59,6 +60,35 @@ def test_a_subscriber_that_never_reads_holds_nothing_up(caplog):
         assert [seq for seq, _ in _replay_all(replay_port, 0)] == list(range(BATCHES))
     finally:
         deaf.close(linger=0)
+        publisher.shutdown()
+
+
+def test_a_replay_longer_than_zmqs_default_hwm_reaches_a_slow_reader_whole():
+    # ZMQ's ROUTER drops silently past its send hwm (1000 by default); a client that asks
+    # for the whole buffer and reads only later must still get every batch, in order.
+    config, _, replay_port = _config()
+    publisher = ZmqEventPublisher(config)
+    slow = zmq.Context.instance().socket(zmq.DEALER)
+    try:
+        for i in range(BATCHES):
+            publisher.publish(_batch(i))
+        assert publisher.flush(timeout=60)
+        slow.setsockopt(zmq.RCVHWM, 1)
+        slow.setsockopt(zmq.RCVBUF, 4096)
+        slow.connect(f"tcp://127.0.0.1:{replay_port}")
+        slow.send_multipart((b"", (0).to_bytes(8, "big")))
+        time.sleep(1.0)  # the publisher answers in milliseconds; we read after it is done
+        seqs = []
+        while True:
+            assert slow.poll(5000), "replay did not finish"
+            _, _, seq_bytes, _ = slow.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if seq == -1:
+                break
+            seqs.append(seq)
+        assert seqs == list(range(BATCHES))
+    finally:
+        slow.close(linger=0)
         publisher.shutdown()
 
 
