@@ -190,7 +190,12 @@ class LlamaForCausalLM(nn.Module):
         """Swap dense weights for GGUF-quantized ones, by module name ("lm_head" and
         "model.embed_tokens" name the output and input tables); dense ones are dropped."""
         modules = dict(self.named_modules())
+        # Each table once in its serving layout: a tied embedding and lm_head share it.
+        served: dict[int, GgufWeight] = {}
         for name, weight in weights.items():
+            if id(weight) not in served:
+                served[id(weight)] = dispatch.prepare_gguf(weight)
+            weight = served[id(weight)]
             if name == "lm_head":
                 self.lm_head_prepared = dispatch.prepare_linear(weight, None)
                 self.lm_head_weight = None

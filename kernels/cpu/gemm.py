@@ -79,8 +79,8 @@ def gemm_gguf(x: torch.Tensor, weight: GgufWeight,
     """x [rows, in] float32 times W in GGUF blocks, widened a panel at a time to float32
     inside the kernel (+ bias [out] float32) -> [rows, out] float32, or None."""
     lib = _library()
-    if (lib is None or x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu
-            or x.shape[1] != weight.in_features
+    if (lib is None or weight.layout != "rows" or x.dim() != 2 or x.dtype != torch.float32
+            or not x.is_cpu or x.shape[1] != weight.in_features
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return None
     x = x.contiguous()

@@ -11,6 +11,21 @@
 #endif
 
 enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids */
+/* Or'd into a type id: the weights are in linear_gguf_vnni.c's 16-output panels, not rows. */
+enum { GGUF_VNNI_PANELS = 0x100 };
+
+int linear_gguf_vnni(int type, const uint8_t *codes, const float *d, const float *offset,
+                     int64_t n, int64_t k, const void *x, int x_bf16, int64_t m,
+                     const float *bias, void *y, int out_bf16, int num_threads);
+int dequantize_rows_gguf_vnni(int type, const uint8_t *codes, const float *d,
+                              const float *offset, int64_t n, int64_t k, const int64_t *row_ids,
+                              int64_t rows, float *out, int num_threads);
+
+/* x [rows, k] (float32, or bf16 when is_bf16) quantized per 32-block to int8 as llama.cpp
+ * does (linear_quant.c): codes q, scales, scale * sum(q), and sum(q) when isum is not NULL;
+ * pair_layout interleaves block pairs for the 4-bit row kernels. */
+void gguf_quantize_x(const void *x, int is_bf16, int64_t rows, int64_t k, int pair_layout,
+                     int8_t *q, float *scale, float *qsum, int32_t *isum, int num_threads);
 
 /* Block b of weight row j (k inputs a row) -> its 32 float32 values at o. */
 static inline void dequantize_block(int type, const uint8_t *qs, const float *d,

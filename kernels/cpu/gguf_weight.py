@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 BLOCK = 32
+PANEL = 16  # outputs a panel of linear_gguf_vnni.c holds, one per 512-bit lane
+PANELS_FLAG = 0x100  # gguf_blocks.h GGUF_VNNI_PANELS: or'd into the type id of panels
 # GGML type name -> (type id, bytes per 32-weight block in the file)
 FORMATS = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}
 
@@ -32,6 +34,8 @@ class GgufWeight:
     d: torch.Tensor
     offset: torch.Tensor | None
     in_features: int
+    layout: str = "rows"     # "rows": the file's; "panels": to_panels's (the VNNI kernel's)
+    rows: int | None = None  # out_features, where the panels pad them
 
     @property
     def kernel_args(self) -> tuple[int, ...]:
@@ -39,15 +43,20 @@ class GgufWeight:
         computed once; a decode step makes ~120 calls, and Python attribute walks add up."""
         args = self.__dict__.get("_kernel_args")
         if args is None:
-            args = (FORMATS[self.type_name][0], self.qs.data_ptr(), self.d.data_ptr(),
+            args = (self.kernel_type, self.qs.data_ptr(), self.d.data_ptr(),
                     0 if self.offset is None else self.offset.data_ptr(), self.out_features,
                     self.in_features)
             object.__setattr__(self, "_kernel_args", args)
         return args
 
     @property
+    def kernel_type(self) -> int:
+        """The C kernels' type id: GGML's, with PANELS_FLAG for the panel layout."""
+        return FORMATS[self.type_name][0] | (PANELS_FLAG if self.layout == "panels" else 0)
+
+    @property
     def out_features(self) -> int:
-        return self.qs.shape[0]
+        return self.qs.shape[0] if self.rows is None else self.rows
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +93,8 @@ class GgufWeight:
         """Row-wise (fused q/k/v, gate/up): blocks run along in_features, so rows of one
         format and width stack as they are."""
         first = parts[0]
+        if any(p.layout != "rows" for p in parts):
+            raise ValueError("quantization: fused parts must be in the file's row layout")
         if any(p.type_name != first.type_name or p.in_features != first.in_features
                for p in parts):
             raise ValueError("quantization: fused parts differ in format or width")
@@ -93,12 +104,62 @@ class GgufWeight:
 
     def select_rows(self, index: torch.Tensor) -> "GgufWeight":
         """The weight restricted to some output rows, in `index` order (row permutations)."""
+        if self.layout != "rows":
+            return self.to_rows().select_rows(index)
         offset = None if self.offset is None else self.offset[index].contiguous()
         return GgufWeight(self.type_name, self.qs[index].contiguous(), self.d[index].contiguous(),
                           offset, self.in_features)
 
+    def to_panels(self) -> "GgufWeight":
+        """The same weight in linear_gguf_vnni.c's layout (layout "panels"): outputs in
+        panels of 16, the last padded with zero codes and scales; per panel and block the
+        codes as 32-bit lanes, lane j = 4 code bytes of output 16 p + j (Q8_0's as q + 128,
+        unsigned); d and Q4_1's offsets as [panel, block, 16] (Q4_0's, -8 d, go into the
+        kernel's integer sums)."""
+        if self.layout == "panels":
+            return self
+        n, nblk = self.out_features, self.in_features // BLOCK
+        pad = -n % PANEL
+
+        def panels(t: torch.Tensor, words: int) -> torch.Tensor:
+            # [n, nblk * words] 32-bit words -> [panel, nblk, words, 16]
+            t = torch.nn.functional.pad(t, (0, 0, 0, pad)) if pad else t
+            return t.reshape(-1, PANEL, nblk, words).permute(0, 2, 3, 1).contiguous()
+
+        if self.type_name == "Q8_0":
+            codes = panels((self.qs.view(torch.uint8) ^ 0x80).view(torch.int32), BLOCK // 4)
+        else:
+            codes = panels(self.qs.view(torch.int32), BLOCK // 8)
+        offset = (panels(self.offset, 1).reshape(-1, nblk, PANEL)
+                  if self.type_name == "Q4_1" else None)
+        return GgufWeight(self.type_name, codes.view(torch.uint8).reshape(codes.shape[0], -1),
+                          panels(self.d, 1).reshape(-1, nblk, PANEL), offset, self.in_features,
+                          layout="panels", rows=n)
+
+    def to_rows(self) -> "GgufWeight":
+        """The file's row layout back from panels, bit-exact."""
+        if self.layout == "rows":
+            return self
+        n, nblk = self.out_features, self.in_features // BLOCK
+        words = BLOCK // 4 if self.type_name == "Q8_0" else BLOCK // 8
+
+        def rows(t: torch.Tensor, words: int) -> torch.Tensor:
+            # [panel, nblk, words, 16] -> [n, nblk * words]
+            t = t.reshape(-1, nblk, words, PANEL).permute(0, 3, 1, 2)
+            return t.reshape(-1, nblk * words)[:n].contiguous()
+
+        codes = rows(self.qs.view(torch.int32), words).view(torch.uint8)
+        d = rows(self.d, 1)
+        if self.type_name == "Q8_0":
+            return GgufWeight(self.type_name, (codes ^ 0x80).view(torch.int8), d, None,
+                              self.in_features)
+        offset = rows(self.offset, 1) if self.type_name == "Q4_1" else -8.0 * d
+        return GgufWeight(self.type_name, codes, d, offset, self.in_features)
+
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [rows, in_features] of the selected rows (all by default)."""
+        if self.layout != "rows":
+            return self.to_rows().dequantize(rows)
         pick = (lambda t: t) if rows is None else (lambda t: t[rows])
         qs, d = pick(self.qs), pick(self.d).unsqueeze(-1)
         n = qs.shape[0]

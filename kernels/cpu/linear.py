@@ -13,7 +13,7 @@ import torch
 
 from kernels.cpu import features as cpu_features
 from kernels.cpu import native as cpu_native
-from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+from kernels.cpu.gguf_weight import GgufWeight
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
@@ -23,10 +23,12 @@ _SIGNATURES = {
     "linear_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
     "linear_gguf_rows": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32,
                                 _I32]),
-    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
+    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I32]),
     "linear_gguf_amx": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
     "linear_gguf_amx_built": (_I32, []),
     "linear_gguf_amx_ready": (_I32, []),
+    "linear_gguf_vnni": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
+    "linear_gguf_vnni_built": (_I32, []),
 }
 
 
@@ -112,6 +114,14 @@ def linear_gguf(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
     return out if status == 0 else None
 
 
+def gguf_vnni_built() -> bool | None:
+    """Whether the loaded build carries the AVX-512 VNNI GGUF kernel (linear_gguf_vnni.c,
+    built where the compiler targets VNNI: the CPU has it and no cap hides it); None
+    without the library."""
+    lib = _library()
+    return None if lib is None else bool(lib.linear_gguf_vnni_built())
+
+
 def gguf_amx_built() -> bool | None:
     """Whether the loaded build carries the AMX GGUF kernel (linear_gguf_amx.c); None
     without the library."""
@@ -134,7 +144,7 @@ def linear_gguf_amx(x: torch.Tensor, weight: GgufWeight,
     bf16 (float32 x included), float32 sums; output in x's dtype. None if not applicable
     (no AMX, a 1-D x, a bias not float32)."""
     lib = _library()
-    if (lib is None or not gguf_amx_available() or x.dim() != 2
+    if (lib is None or not gguf_amx_available() or weight.layout != "rows" or x.dim() != 2
             or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_cpu
             or x.shape[1] != weight.in_features or x.shape[0] == 0
             or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
@@ -156,7 +166,8 @@ def dequantize_rows(weight: GgufWeight, row_ids: torch.Tensor | None) -> torch.T
     ids = None if row_ids is None else row_ids.to(torch.int64).contiguous()
     rows = weight.out_features if ids is None else ids.numel()
     out = torch.empty(rows, weight.in_features, dtype=torch.float32)
-    status = lib.dequantize_rows_gguf(FORMATS[weight.type_name][0], weight.qs.data_ptr(),
-                                      weight.d.data_ptr(), _ptr(weight.offset), weight.in_features,
-                                      _ptr(ids), rows, out.data_ptr(), torch.get_num_threads())
+    status = lib.dequantize_rows_gguf(weight.kernel_type, weight.qs.data_ptr(),
+                                      weight.d.data_ptr(), _ptr(weight.offset),
+                                      weight.out_features, weight.in_features, _ptr(ids), rows,
+                                      out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None

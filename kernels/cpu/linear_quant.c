@@ -25,13 +25,14 @@
 
 enum { PREFETCH_PAIRS = 4 };
 
-/* x [rows, k] (fp32 or bf16) -> q [rows, k] int8, scale and scale * sum(q) [rows, k / 32].
+/* x [rows, k] (fp32 or bf16) -> q [rows, k] int8, scale and scale * sum(q) [rows, k / 32],
+ * and sum(q) itself when isum is not NULL.
  * pair_layout (for the 4-bit formats): each pair of blocks (b, b + 1) is stored as
  * x_b[0:16], x_b1[0:16], x_b[16:32], x_b1[16:32], the order one 32-byte load of the two
  * blocks' nibbles yields after masking (low nibbles) and shifting (high nibbles); a last
  * odd block keeps its natural order. */
-static void quantize_rows_q8(const void *x, int is_bf16, int64_t rows, int64_t k, int pair_layout,
-                      int8_t *q, float *scale, float *qsum, int num_threads) {
+void gguf_quantize_x(const void *x, int is_bf16, int64_t rows, int64_t k, int pair_layout,
+                     int8_t *q, float *scale, float *qsum, int32_t *isum, int num_threads) {
     const int64_t nblk = k / QK;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 16384)
     for (int64_t r = 0; r < rows; r++) {
@@ -50,14 +51,15 @@ static void quantize_rows_q8(const void *x, int is_bf16, int64_t rows, int64_t k
             const int paired = pair_layout && (b ^ 1) < nblk;
             int8_t *dst = q + r * k + (paired ? (b & ~(int64_t)1) * QK : b * QK);
             const int half = paired ? (int)(b & 1) * 16 : 0, stride = paired ? 32 : 16;
-            int isum = 0;
+            int block_sum = 0;
             for (int i = 0; i < QK; i++) {
                 const int qi = (int)lrintf(v[i] * inv);
                 dst[(i >= 16 ? stride : 0) + half + (i & 15)] = (int8_t)qi;
-                isum += qi;
+                block_sum += qi;
             }
             scale[r * nblk + b] = amax / 127.f;
-            qsum[r * nblk + b] = amax / 127.f * (float)isum;
+            qsum[r * nblk + b] = amax / 127.f * (float)block_sum;
+            if (isum) isum[r * nblk + b] = block_sum;
         }
     }
 }
@@ -290,7 +292,7 @@ static float dot_one(int is_q8, const uint8_t *qs, const float *d, const int8_t 
             for (int i = 0; i < QK; i++) isum += (int32_t)w[i] * x[i];
         } else {
             const uint8_t *w = qs + b * (QK / 2);
-            /* where element i of block b sits in the pair layout (quantize_rows_q8) */
+            /* where element i of block b sits in the pair layout (gguf_quantize_x) */
             const int paired = (b ^ 1) < nblk;
             const int8_t *x = xq + (paired ? (b & ~(int64_t)1) * QK : b * QK);
             const int half = paired ? (int)(b & 1) * 16 : 0, stride = paired ? 32 : 16;
@@ -322,7 +324,7 @@ static inline void store_output(void *y, int out_bf16, int64_t n, int64_t r, int
 }
 
 /* y [m, n] (fp32, or bf16 when out_bf16) = x W^T + bias for x [m, k] (fp32, or bf16 when
- * x_bf16). x is quantized here first (quantize_rows_q8; pair layout for the 4-bit
+ * x_bf16). x is quantized here first (gguf_quantize_x; pair layout for the 4-bit
  * formats) into one malloc'd buffer: one call from Python instead of two and four
  * tensors, which cost more than the matmul itself for the small layers of a decode step.
  * The weight offsets multiply the quantized x's block sums (scale * sum(q)), as llama.cpp's
@@ -341,7 +343,7 @@ static int linear_gguf_impl(int type, const uint8_t *qs, const float *d, const f
     if (scales == NULL) return -2;
     float *qsums = scales + m * nblk;
     int8_t *xq = (int8_t *)(qsums + m * nblk);
-    quantize_rows_q8(x, x_bf16, m, k, !is_q8, xq, scales, qsums, num_threads);
+    gguf_quantize_x(x, x_bf16, m, k, !is_q8, xq, scales, qsums, NULL, num_threads);
 #if defined(__AVX2__)
     if (m >= 2 && allow_tiles) {
         const int64_t npairs = nblk / 2;
@@ -399,11 +401,14 @@ static int linear_gguf_impl(int type, const uint8_t *qs, const float *d, const f
     return 0;
 }
 
-/* Rows of W as float32 [rows, k]: the embedding lookup of a quantized table (row_ids), or
- * all of it (row_ids NULL) for a large batch's matmul. */
+/* Rows of W [n, k] as float32 [rows, k]: the embedding lookup of a quantized table
+ * (row_ids), or all of it (row_ids NULL) for a large batch's matmul. */
 int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const float *offset,
-                         int64_t k, const int64_t *row_ids, int64_t rows, float *out,
+                         int64_t n, int64_t k, const int64_t *row_ids, int64_t rows, float *out,
                          int num_threads) {
+    if (type & GGUF_VNNI_PANELS)
+        return dequantize_rows_gguf_vnni(type & ~GGUF_VNNI_PANELS, qs, d, offset, n, k, row_ids,
+                                         rows, out, num_threads);
     if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
     const int64_t nblk = k / QK;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 65536)
@@ -418,16 +423,23 @@ int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const floa
 int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
                 int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
                 int out_bf16, int num_threads) {
+    if (type & GGUF_VNNI_PANELS)
+        return linear_gguf_vnni(type & ~GGUF_VNNI_PANELS, qs, d, offset, n, k, x, x_bf16, m,
+                                bias, y, out_bf16, num_threads);
     return linear_gguf_impl(type, qs, d, offset, n, k, x, x_bf16, m, bias, y, out_bf16,
                             num_threads, 1);
 }
 
 /* linear_gguf with one row's arithmetic (dot_rows) for every row, whatever m is: the sums
  * round as for a single row, so a row's result does not depend on its batch (the
- * engine's batch_invariant mode). */
+ * engine's batch_invariant mode). The VNNI panel kernel is so for any m already: each x
+ * row runs the same instructions in its own registers, whichever rows share its pass. */
 int linear_gguf_rows(int type, const uint8_t *qs, const float *d, const float *offset,
                      int64_t n, int64_t k, const void *x, int x_bf16, int64_t m,
                      const float *bias, void *y, int out_bf16, int num_threads) {
+    if (type & GGUF_VNNI_PANELS)
+        return linear_gguf_vnni(type & ~GGUF_VNNI_PANELS, qs, d, offset, n, k, x, x_bf16, m,
+                                bias, y, out_bf16, num_threads);
     return linear_gguf_impl(type, qs, d, offset, n, k, x, x_bf16, m, bias, y, out_bf16,
                             num_threads, 0);
 }

@@ -76,7 +76,13 @@ def test_prepare_reports_the_kind_this_host_runs():
     assert bf16.kind == ("onednn" if cpu_features.detect().can_prepack_bf16 else "dense")
     quantized, _ = gguf_weight("Q4_0", 40, 64)
     gguf = dispatch.prepare_linear(quantized, bias.bfloat16())
-    assert gguf.kind == "gguf" and gguf.dense is None and gguf.table is quantized
+    assert gguf.kind == "gguf" and gguf.dense is None
+    # The VNNI kernel's panels replace the file's rows where it is built (AMX keeps rows).
+    panels = cpu_linear.gguf_vnni_built() and not cpu_linear.gguf_amx_available()
+    assert gguf.table.layout == ("panels" if panels else "rows")
+    assert all(torch.equal(a, b) for a, b in zip(
+        (gguf.table.to_rows().qs, gguf.table.to_rows().d, gguf.table.to_rows().offset),
+        (quantized.qs, quantized.d, quantized.offset)))
     assert gguf.bias.dtype == torch.float32  # what the kernel adds
     assert LinearWeight(weight, bias).kind == "dense"  # not prepared: runs as loaded
 
@@ -121,10 +127,14 @@ def test_bf16_weights_take_native_bf16_rows_then_onednn_or_f_linear(calls):
                                   dispatch.GGUF_DENSE_MIN_ROWS - 1, dispatch.GGUF_DENSE_MIN_ROWS])
 def test_gguf_takes_the_int8_kernel_then_a_dense_gemm(calls, rows):
     """Few rows: the int8 kernel. Batches: the native GEMM widening W inside (AVX2 builds),
-    else, from GGUF_DENSE_MIN_ROWS, W dequantized whole for F.linear."""
+    else, from GGUF_DENSE_MIN_ROWS, W dequantized whole for F.linear. Where the VNNI
+    panels serve, their kernel takes every row count."""
     quantized, _ = gguf_weight("Q4_1", 40, 64)
-    dispatch.linear(torch.randn(rows, 64), dispatch.prepare_linear(quantized, None))
-    if rows >= dispatch.GGUF_PANEL_MIN_ROWS and cpu_gemm.preferred():
+    prepared = dispatch.prepare_linear(quantized, None)
+    dispatch.linear(torch.randn(rows, 64), prepared)
+    if prepared.quantized.layout == "panels":
+        assert calls == ["gguf native"]
+    elif rows >= dispatch.GGUF_PANEL_MIN_ROWS and cpu_gemm.preferred():
         assert calls == ["native gguf gemm"]
     elif rows >= dispatch.GGUF_DENSE_MIN_ROWS:
         assert calls == ["gguf dequantize", "F.linear"]
