@@ -15,7 +15,8 @@ Batch-invariant mode (the engine's batch_invariant) takes the row count out of e
 choice: float32 matmuls run the native GEMM for any number of rows, one included, wherever
 it builds (each output is one FMA chain over `in` in order, whatever rows share its tile;
 threads split the columns, never the sum), bf16 ones the native row kernel (a fixed 8-wide
-order), GGUF weights the int8 kernel's one-row arithmetic, LoRA updates the native kernel's
+order), GGUF weights the int8 kernel's one-row arithmetic (the VNNI panel kernel is
+row-invariant as it is), LoRA updates the native kernel's
 row-by-row sums, and attention runs every query token as a decode row (keys in block_size
 blocks in position order), so a token's values depend on its own row alone. Norms already
 run per row. kernels/torch_invariant.py covers what the native kernels decline.
@@ -233,9 +234,10 @@ def prepare_gguf(weight: GgufWeight) -> GgufWeight:
     AMX's is not in use (it reads rows), else the file's rows. On a 2-core Zen 4 (AVX-512
     VNNI + BF16), SmolLM2's and Llama-3.2-1B's layers at bf16 x, Q4_1 and Q8_0, the panels
     ran 1.3-2.0x the row kernel at one row, 2.5-4.2x at 16-256 rows, and 1.1-1.8x oneDNN's
-    dense bf16 GEMM on the same weights at every row count (bench.bench_gguf_vnni). The
+    dense bf16 GEMM on the same weights at every row count (bench.bench_gguf_kernels). The
     panels replace the rows: the embedding lookup and the torch paths read them too."""
-    if weight.layout == "rows" and cpu_linear.gguf_vnni_built() and not cpu_linear.gguf_amx_available():
+    if (weight.layout == "rows" and cpu_linear.gguf_vnni_built()
+            and not cpu_linear.gguf_amx_available()):
         return weight.to_panels()
     return weight
 
@@ -244,7 +246,8 @@ def gguf_linear(x: torch.Tensor, weight: GgufWeight, bias: torch.Tensor | None,
                 batch_invariant: bool = False) -> torch.Tensor:
     """x W^T + b for W in GGUF blocks ([tokens, in] -> [tokens, out], x's dtype). The
     native kernel quantizes x to int8 per 32-block (as llama.cpp does); the torch path
-    dequantizes W, which is exact but slow (hosts without a C compiler).
+    dequantizes W, which is exact but slow (hosts without a C compiler). Panels (VNNI,
+    prepare_gguf) run their kernel at every row count; rows go by the row count below.
     `batch_invariant`: every row in the kernel's one-row order, for any row count."""
     if batch_invariant:
         out = cpu_linear.linear_gguf(x, weight, bias, single_row_order=True)

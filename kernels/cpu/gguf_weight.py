@@ -11,6 +11,9 @@ the kernel then reads codes without strides and scales without converting fp16 p
 block, and both 4-bit formats become one formula, d * u + offset.
 The torch dequantization here defines the values; the tests, the embedding lookup's
 fallback and hosts without a C compiler use it.
+Where the AVX-512 VNNI kernel serves (kernels.dispatch.prepare_gguf), the same codes and
+scales are repacked once into its 16-output panels (`to_panels`, layout "panels"), which
+then replace the rows; `to_rows` gives the file's layout back bit-exactly.
 """
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from engine.models import load_model
 from engine.models.gguf_cache import default_gguf_path
 from engine.models.gguf_weights import read_quantized
 from engine.models.layers import Linear
+from kernels import dispatch
 from testing.tiny_model import make_tiny_model_dir
 from testing.model_batch import last_logits
 
@@ -55,6 +56,12 @@ def test_quantized_model_drops_dense_weights_and_stays_close(dense, quantized_ll
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
     assert linears and all(m.weight is None and m.prepared.kind == "gguf" for m in linears)
     assert loaded.model.lm_head_weight is None and loaded.model.model.embed_tokens.weight is None
+    # The tied Q8_0 table is held once, in the layout this host serves (VNNI panels or rows):
+    # the embedding lookup reads what lm_head multiplies.
+    table = loaded.model.model.embed_quantized
+    assert table is loaded.model.lm_head_prepared.quantized
+    assert dispatch.prepare_gguf(table) is table
+    assert all(m.prepared.quantized.layout == table.layout for m in linears)
     tok = quantized_llm.get_tokenizer()
     for prompt in PROMPTS:
         ids = tok.encode(prompt)

@@ -139,3 +139,62 @@ def test_every_bf16_row_loop_builds_on_any_host(tmp_path, march, dpbf16):
     BF16 build really holds vdpbf16ps."""
     disassembly = disassemble("linear_bf16.c", march, tmp_path)
     assert ("vdpbf16ps" in disassembly) == dpbf16
+
+
+def _quantizer_levels() -> list[list[str]]:
+    """-march flags for every level of the x86 quantizer this CPU can run: the scalar
+    loop, AVX2 and AVX-512 BW intrinsics."""
+    features = cpu_features.detect()
+    if not features.is_x86:
+        return []
+    levels = [["-march=x86-64"]]
+    if {"avx2", "fma"} <= features.flags:
+        levels.append(["-march=x86-64-v3"])
+    if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= features.flags:
+        levels.append(["-march=x86-64-v4"])
+    return levels
+
+
+@pytest.mark.parametrize("is_bf16", [0, 1])
+def test_the_activation_quantizer_gives_the_scalar_bits_at_every_isa_level(tmp_path, is_bf16):
+    """gguf_quantize_x's AVX2 and AVX-512 loops against its scalar one, each built from the
+    same source for its -march: the same codes, scales and code sums to the bit (ties,
+    zeros, the pair layout's odd last block included). scale * sum is the same scalar
+    line in every build, but -ffast-math may order its product differently per -march."""
+    import ctypes
+
+    from kernels.cpu import native as cpu_native
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    sources = [cpu_native.SOURCES[0].with_name(n) for n in ("linear_quant.c", "linear_gguf_vnni.c")]
+    rows, k = 5, 7 * 32
+    g = torch.Generator().manual_seed(is_bf16)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, k)
+    x[1] = 0.0
+    x[2, :32] = torch.arange(32) * 0.5 - 7.75  # exact halves after scaling: ties to even
+    x = x.bfloat16() if is_bf16 else x
+    results = []
+    for march in _quantizer_levels():
+        lib_path = str(tmp_path / f"q{len(results)}.so")
+        error = cpu_native.build_shared(compiler, [*cpu_native.COMPILE_FLAGS, *march], sources,
+                                        str(tmp_path), lib_path)
+        assert error is None, error
+        fn = ctypes.CDLL(lib_path).gguf_quantize_x
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_int]
+        out = []
+        for pair_layout in (0, 1):
+            q = torch.zeros(rows, k, dtype=torch.int8)
+            scale, qsum = torch.zeros(rows, k // 32), torch.zeros(rows, k // 32)
+            isum = torch.zeros(rows, k // 32, dtype=torch.int32)
+            fn(x.data_ptr(), is_bf16, rows, k, pair_layout, q.data_ptr(), scale.data_ptr(),
+               qsum.data_ptr(), isum.data_ptr(), 1)
+            out.append((q, scale, qsum, isum))
+        results.append(out)
+    assert results and results[0][0][0].abs().max() == 127
+    for other in results[1:]:
+        for (q, scale, qsum, isum), (q2, scale2, qsum2, isum2) in zip(results[0], other):
+            assert torch.equal(q, q2) and torch.equal(scale, scale2) and torch.equal(isum, isum2)
+            torch.testing.assert_close(qsum, qsum2, rtol=2e-7, atol=0)
