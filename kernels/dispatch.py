@@ -231,10 +231,11 @@ GGUF_AMX_MIN_ROWS = 8
 
 def prepare_gguf(weight: GgufWeight) -> GgufWeight:
     """The layout a GGUF weight is served in: VNNI panels where that kernel is built and
-    AMX's is not in use (it reads rows), else the file's rows. On a 2-core Zen 4 (AVX-512
-    VNNI + BF16), SmolLM2's and Llama-3.2-1B's layers at bf16 x, Q4_1 and Q8_0, the panels
-    ran 1.3-2.0x the row kernel at one row, 2.5-4.2x at 16-256 rows, and 1.1-1.8x oneDNN's
-    dense bf16 GEMM on the same weights at every row count (bench.bench_gguf_kernels). The
+    AMX's is not in use (it reads rows; which is faster there was not measured), else the
+    file's rows. On a 2-core Zen 4 (AVX-512 VNNI + BF16), SmolLM2's layers at bf16 x, Q4_1
+    and Q8_0, the panels ran 1.4-4.7x the row kernel, and 2.3-3.0x oneDNN's dense bf16
+    GEMM on the same weights at one row, 1.23-1.55x at 16-256 rows (1.03-1.29x at 512-2048:
+    no dense route beside them); Llama-3.2-1B's alike (bench.bench_gguf_kernels). The
     panels replace the rows: the embedding lookup and the torch paths read them too."""
     if (weight.layout == "rows" and cpu_linear.gguf_vnni_built()
             and not cpu_linear.gguf_amx_available()):
