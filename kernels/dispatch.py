@@ -16,10 +16,10 @@ choice: float32 matmuls run the native GEMM for any number of rows, one included
 it builds (each output is one FMA chain over `in` in order, whatever rows share its tile;
 threads split the columns, never the sum), bf16 ones the native row kernel (a fixed 8-wide
 order), GGUF weights the int8 kernel's one-row arithmetic (the VNNI panel kernel is
-row-invariant as it is), LoRA updates the native kernel's
-row-by-row sums, and attention runs every query token as a decode row (keys in block_size
-blocks in position order), so a token's values depend on its own row alone. Norms already
-run per row. kernels/torch_invariant.py covers what the native kernels decline.
+row-invariant as it is), LoRA updates the native kernel's row-by-row sums, and attention
+runs every query token as a decode row (keys in block_size blocks in position order), so a
+token's values depend on its own row alone. Norms already run per row.
+kernels/torch_invariant.py covers what the native kernels decline.
 
 These run ~100 times per decode step, so each does one device test and one call: no
 allocation or feature detection of its own (cpu_native caches its library load). The

@@ -18,7 +18,7 @@ int linear_gguf_vnni(int type, const uint8_t *codes, const float *d, const float
                      int64_t n, int64_t k, const void *x, int x_bf16, int64_t m,
                      const float *bias, void *y, int out_bf16, int num_threads);
 int dequantize_rows_gguf_vnni(int type, const uint8_t *codes, const float *d,
-                              const float *offset, int64_t n, int64_t k, const int64_t *row_ids,
+                              const float *offset, int64_t k, const int64_t *row_ids,
                               int64_t rows, float *out, int num_threads);
 
 /* x [rows, k] (float32, or bf16 when is_bf16) quantized per 32-block to int8 as llama.cpp

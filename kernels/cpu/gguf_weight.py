@@ -38,7 +38,7 @@ class GgufWeight:
     offset: torch.Tensor | None
     in_features: int
     layout: str = "rows"     # "rows": the file's; "panels": to_panels's (the VNNI kernel's)
-    rows: int | None = None  # out_features, where the panels pad them
+    unpadded_outputs: int | None = None  # panels: out_features (their last panel is padded)
 
     @property
     def kernel_args(self) -> tuple[int, ...]:
@@ -59,7 +59,7 @@ class GgufWeight:
 
     @property
     def out_features(self) -> int:
-        return self.qs.shape[0] if self.rows is None else self.rows
+        return self.qs.shape[0] if self.unpadded_outputs is None else self.unpadded_outputs
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +137,7 @@ class GgufWeight:
                   if self.type_name == "Q4_1" else None)
         return GgufWeight(self.type_name, codes.view(torch.uint8).reshape(codes.shape[0], -1),
                           panels(self.d, 1).reshape(-1, nblk, PANEL), offset, self.in_features,
-                          layout="panels", rows=n)
+                          layout="panels", unpadded_outputs=n)
 
     def to_rows(self) -> "GgufWeight":
         """The file's row layout back from panels, bit-exact."""
@@ -146,17 +146,17 @@ class GgufWeight:
         n, nblk = self.out_features, self.in_features // BLOCK
         words = BLOCK // 4 if self.type_name == "Q8_0" else BLOCK // 8
 
-        def rows(t: torch.Tensor, words: int) -> torch.Tensor:
+        def unpanel(t: torch.Tensor, words: int) -> torch.Tensor:
             # [panel, nblk, words, 16] -> [n, nblk * words]
             t = t.reshape(-1, nblk, words, PANEL).permute(0, 3, 1, 2)
             return t.reshape(-1, nblk * words)[:n].contiguous()
 
-        codes = rows(self.qs.view(torch.int32), words).view(torch.uint8)
-        d = rows(self.d, 1)
+        codes = unpanel(self.qs.view(torch.int32), words).view(torch.uint8)
+        d = unpanel(self.d, 1)
         if self.type_name == "Q8_0":
             return GgufWeight(self.type_name, (codes ^ 0x80).view(torch.int8), d, None,
                               self.in_features)
-        offset = rows(self.offset, 1) if self.type_name == "Q4_1" else -8.0 * d
+        offset = unpanel(self.offset, 1) if self.type_name == "Q4_1" else -8.0 * d
         return GgufWeight(self.type_name, codes, d, offset, self.in_features)
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ _SIGNATURES = {
     "linear_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
     "linear_gguf_rows": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32,
                                 _I32]),
-    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I64, _P, _I32]),
+    "dequantize_rows_gguf": (_I32, [_I32, _P, _P, _P, _I64, _P, _I64, _P, _I32]),
     "linear_gguf_amx": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I32, _I64, _P, _P, _I32, _I32]),
     "linear_gguf_amx_built": (_I32, []),
     "linear_gguf_amx_ready": (_I32, []),
@@ -167,7 +167,6 @@ def dequantize_rows(weight: GgufWeight, row_ids: torch.Tensor | None) -> torch.T
     rows = weight.out_features if ids is None else ids.numel()
     out = torch.empty(rows, weight.in_features, dtype=torch.float32)
     status = lib.dequantize_rows_gguf(weight.kernel_type, weight.qs.data_ptr(),
-                                      weight.d.data_ptr(), _ptr(weight.offset),
-                                      weight.out_features, weight.in_features, _ptr(ids), rows,
-                                      out.data_ptr(), torch.get_num_threads())
+                                      weight.d.data_ptr(), _ptr(weight.offset), weight.in_features,
+                                      _ptr(ids), rows, out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None

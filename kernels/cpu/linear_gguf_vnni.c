@@ -183,15 +183,15 @@ int linear_gguf_vnni(int type, const uint8_t *codes, const float *d, const float
 #endif
 }
 
-/* Rows of W [n, k] held as panels (above) -> float32 [rows, k]: the embedding lookup of a
- * tied table (row_ids), or all of it (row_ids NULL). Plain C: the lookup reads a few rows,
- * and every build links it. Returns -1 for an unknown type or a k that is not whole blocks. */
+/* Rows of W held as panels (above) -> float32 [rows, k]: the embedding lookup of a tied
+ * table (row_ids, checked by the caller), or all of it (row_ids NULL). Plain C: the lookup
+ * reads a few rows, and every build links it. Returns -1 for an unknown type or a k that
+ * is not whole blocks. */
 int dequantize_rows_gguf_vnni(int type, const uint8_t *codes, const float *d,
-                              const float *offset, int64_t n, int64_t k, const int64_t *row_ids,
+                              const float *offset, int64_t k, const int64_t *row_ids,
                               int64_t rows, float *out, int num_threads) {
     enum { PANEL = 16 };
     if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
-    (void)n;
     const int64_t nblk = k / QK, words = type == Q8_0 ? 8 : 4;
     const int64_t panel_bytes = nblk * words * PANEL * 4;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 65536)

@@ -458,13 +458,13 @@ static int linear_gguf_impl(int type, const uint8_t *qs, const float *d, const f
     return 0;
 }
 
-/* Rows of W [n, k] as float32 [rows, k]: the embedding lookup of a quantized table
- * (row_ids), or all of it (row_ids NULL) for a large batch's matmul. */
+/* Rows of W as float32 [rows, k]: the embedding lookup of a quantized table (row_ids), or
+ * all of it (row_ids NULL) for a large batch's matmul. */
 int dequantize_rows_gguf(int type, const uint8_t *qs, const float *d, const float *offset,
-                         int64_t n, int64_t k, const int64_t *row_ids, int64_t rows, float *out,
+                         int64_t k, const int64_t *row_ids, int64_t rows, float *out,
                          int num_threads) {
     if (type & GGUF_VNNI_PANELS)
-        return dequantize_rows_gguf_vnni(type & ~GGUF_VNNI_PANELS, qs, d, offset, n, k, row_ids,
+        return dequantize_rows_gguf_vnni(type & ~GGUF_VNNI_PANELS, qs, d, offset, k, row_ids,
                                          rows, out, num_threads);
     if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
     const int64_t nblk = k / QK;
