@@ -42,9 +42,11 @@
 /* 1 when this build carries the VNNI kernel (tests check it against the CPU's flags). */
 int linear_gguf_vnni_built(void) { return GGUF_VNNI; }
 
+enum { LANES = 16 };  /* outputs a panel holds, one per 512-bit lane */
+
 #if GGUF_VNNI
 
-enum { LANES = 16, ROWS_MAX = 8 };
+enum { ROWS_MAX = 8 };
 
 static inline __m512i broadcast4(const int8_t *p) {
     return _mm512_set1_epi32(*(const int32_t *)p);
@@ -190,25 +192,24 @@ int linear_gguf_vnni(int type, const uint8_t *codes, const float *d, const float
 int dequantize_rows_gguf_vnni(int type, const uint8_t *codes, const float *d,
                               const float *offset, int64_t k, const int64_t *row_ids,
                               int64_t rows, float *out, int num_threads) {
-    enum { PANEL = 16 };
     if (k % QK != 0 || (type != Q4_0 && type != Q4_1 && type != Q8_0)) return -1;
     const int64_t nblk = k / QK, words = type == Q8_0 ? 8 : 4;
-    const int64_t panel_bytes = nblk * words * PANEL * 4;
+    const int64_t panel_bytes = nblk * words * LANES * 4;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows * k >= 65536)
     for (int64_t r = 0; r < rows; r++) {
-        const int64_t j = row_ids ? row_ids[r] : r, p = j / PANEL, lane = j % PANEL;
+        const int64_t j = row_ids ? row_ids[r] : r, p = j / LANES, lane = j % LANES;
         for (int64_t b = 0; b < nblk; b++) {
-            const uint8_t *block = codes + p * panel_bytes + b * words * PANEL * 4;
-            const float scale = d[(p * nblk + b) * PANEL + lane];
+            const uint8_t *block = codes + p * panel_bytes + b * words * LANES * 4;
+            const float scale = d[(p * nblk + b) * LANES + lane];
             float *o = out + r * k + b * QK;
             for (int64_t i = 0; i < words; i++) {
-                const uint8_t *c = block + (i * PANEL + lane) * 4;
+                const uint8_t *c = block + (i * LANES + lane) * 4;
                 for (int t = 0; t < 4; t++) {
                     if (type == Q8_0) {
                         o[4 * i + t] = scale * (float)((int)c[t] - 128);
                     } else {
                         const float low = (float)(c[t] & 0x0F), high = (float)(c[t] >> 4);
-                        const float off = type == Q4_1 ? offset[(p * nblk + b) * PANEL + lane]
+                        const float off = type == Q4_1 ? offset[(p * nblk + b) * LANES + lane]
                                                        : -8.f * scale;
                         o[4 * i + t] = scale * low + off;
                         o[16 + 4 * i + t] = scale * high + off;
