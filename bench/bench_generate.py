@@ -151,7 +151,7 @@ def bytes_per_step(model) -> int:
     prepared = [getattr(m, "prepared", None) for m in model.modules()] + [model.lm_head_prepared]
     tables = {id(w.quantized): w.quantized.nbytes for w in prepared
               if w is not None and w.quantized is not None}
-    tables.update({id(w.panels): w.out_features * w.panels.shape[1] * w.panels.element_size()
+    tables.update({id(w.panels): w.out_features * w.in_features * w.panels.element_size()
                    for w in prepared if w is not None and w.panels is not None})
     dense = sum(p.numel() * p.element_size() for p in model.parameters())
     lm_head, embed = model.lm_head_prepared, model.model.embed_tokens.weight

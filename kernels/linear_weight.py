@@ -12,9 +12,10 @@ from kernels.cpu.gguf_weight import GgufWeight
 
 class LinearWeight:
     """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks or panels
-    replace it; panels: the float32 weight packed for the native GEMM (kernels/cpu/gemm.py)
-    on CPUs where it is the fastest (and under batch_invariant), then the only copy (every row count runs on it, and
-    out_features says how many of the padded columns are real); packed: oneDNN's blocked
+    replace it; panels: the weight packed for a native GEMM (kernels/cpu/gemm.py: float32
+    where that GEMM is the fastest and under batch_invariant, bf16 on AVX-512 BF16 without
+    AMX), then the only copy (every row count runs on it, and out_features says how many
+    of the padded columns are real); packed: oneDNN's blocked
     copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);
     batch_invariant: every row runs the one kernel whose sums over `in` go in a fixed order,
@@ -48,6 +49,14 @@ class LinearWeight:
         if self.panels is not None:
             return "panels"
         return "dense" if self.packed is None else "onednn"
+
+    @property
+    def in_features(self) -> int:
+        if self.quantized is not None:
+            return self.quantized.in_features
+        if self.panels is not None:  # float32 [panels, in, 16]; bf16 [panels, in / 2, 16, 2]
+            return self.panels.shape[1] * (2 if self.panels.dim() == 4 else 1)
+        return self.dense.shape[1]
 
     @property
     def table(self) -> torch.Tensor | GgufWeight:

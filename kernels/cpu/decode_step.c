@@ -8,8 +8,9 @@
  * serves every other case (batches, prefill, GPUs).
  *
  * Activations are float32 or bf16 (the model's dtype, one for the whole step); each
- * matmul is dense in that dtype (linear_f32_rows, linear_bf16_rows), float32 GEMM panels
- * (gemm_f32, where those replace the dense copy) or GGUF blocks (linear_gguf). The caller keeps the descriptors and the scratch buffer.
+ * matmul is dense in that dtype (linear_f32_rows, linear_bf16_rows), GEMM panels in that
+ * dtype (gemm_f32, gemm_bf16, where those replace the dense copy) or GGUF blocks
+ * (linear_gguf). The caller keeps the descriptors and the scratch buffer.
  */
 #include <stdint.h>
 #include <string.h>
@@ -49,15 +50,18 @@ void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t
               const float *bias, float *y, int num_threads);
 int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                      int64_t m, int64_t n, int64_t k, int num_threads);
+int gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels, int64_t n,
+              const uint16_t *bias, uint16_t *y, int num_threads);
 
 #define DENSE_F32 (-1)
 #define DENSE_BF16 (-2)
 #define PANELS_F32 (-3)
+#define PANELS_BF16 (-4)
 
 /* Field order and types must match kernels/cpu/decode_step.py. */
 typedef struct {
-    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k], the step's dtype), PANELS_F32
-                              (gemm_f32's packed panels), else a GGUF id */
+    int64_t type;          /* DENSE_F32, DENSE_BF16 ([n, k], the step's dtype), PANELS_F32,
+                              PANELS_BF16 (gemm_f32's, gemm_bf16's panels), else a GGUF id */
     const void *weight;    /* dense weights, panels, or the GGUF codes */
     const float *scales;   /* GGUF only */
     const float *offsets;  /* GGUF Q4_1 only, else NULL */
@@ -89,6 +93,8 @@ static int run_linear(const linear_t *lin, const void *x, void *y, int bf16, int
         gemm_f32(x, 1, lin->k, lin->weight, lin->n, lin->bias, y, num_threads);
         return 0;
     }
+    if (lin->type == PANELS_BF16)
+        return gemm_bf16(x, 1, lin->k, lin->weight, lin->n, lin->bias, y, num_threads);
     if (lin->type == DENSE_BF16)
         return linear_bf16_rows(x, lin->weight, lin->bias, y, 1, lin->n, lin->k, num_threads);
     return linear_gguf((int)lin->type, (const uint8_t *)lin->weight, lin->scales, lin->offsets,

@@ -5,7 +5,7 @@ Python-level kernel calls a layer.
 The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
 cache); a step then passes the token's embedding, position, slot and block table.
 Applies on CPU to float32 or bf16 models (activations, norms, rope tables and KV cache
-in one dtype) with dense weights in that dtype or GGUF Q4_0/Q4_1/Q8_0 blocks; `plan`
+in one dtype) with dense weights in that dtype, GEMM panels in that dtype or GGUF Q4_0/Q4_1/Q8_0 blocks; `plan`
 returns None otherwise and the caller keeps its own path.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ class LayerWeights:
 
 # The dense weight types of decode_step.c's linear_t (GGUF blocks carry their type id).
 _DENSE = {torch.float32: -1, torch.bfloat16: -2}
-_PANELS = -3
+_PANELS = {torch.float32: -3, torch.bfloat16: -4}
 
 
 def _cpu(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
@@ -75,13 +75,13 @@ def _cpu(t: torch.Tensor | None, dtype: torch.dtype) -> bool:
 
 
 def _linear(linear: LinearWeight, dtype: torch.dtype) -> _Linear | None:
-    if linear.panels is not None:  # the layer-by-layer path runs the same gemm_f32 call
+    if linear.panels is not None:  # the layer-by-layer path runs the same gemm call
         panels, bias = linear.panels, linear.bias
-        if dtype != torch.float32 or not _cpu(panels, dtype) or not _cpu(bias, dtype):
+        if not _cpu(panels, dtype) or not _cpu(bias, dtype):
             return None
-        return _Linear(_PANELS, panels.data_ptr(), None, None,
+        return _Linear(_PANELS[dtype], panels.data_ptr(), None, None,
                        None if bias is None else bias.data_ptr(), linear.out_features,
-                       panels.shape[1])
+                       linear.in_features)
     weight, bias = linear.table, linear.bias
     if isinstance(weight, GgufWeight):
         if not weight.qs.is_cpu or weight.type_name not in FORMATS or not _cpu(bias, torch.float32):
@@ -144,10 +144,7 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
         entry.key_cache = layer.key_cache.data_ptr()
         entry.value_cache = layer.value_cache.data_ptr()
     hidden = final_norm.shape[0]
-    down = layers[0].down
-    inter = (down.panels.shape[1] if down.panels is not None
-             else down.table.in_features if isinstance(down.table, GgufWeight)
-             else down.table.shape[1])
+    inter = layers[0].down.in_features
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
                    block_size, int(dtype == torch.bfloat16), eps, scale, cos_table.data_ptr(),
                    sin_table.data_ptr(), final_norm.data_ptr(), table)

@@ -1,5 +1,6 @@
-"""The native float32 batch GEMM (kernels/cpu/gemm_f32.c): weights packed once into
-16-column panels, then y = x W^T (+ bias) for any row count.
+"""The native batch GEMMs: float32 (kernels/cpu/gemm_f32.c) and bf16 on AVX-512 BF16
+(kernels/cpu/gemm_bf16.c), weights packed once into 16-column panels, then
+y = x W^T (+ bias) for any row count.
 
 Each function returns None when it does not apply (no library, dtype, layout, device);
 kernels.dispatch then keeps oneDNN or torch.
@@ -21,6 +22,9 @@ _SIGNATURES = {
     "gemm_f32_pack": (None, [_P, _I64, _I64, _P, _I32]),
     "gemm_f32": (None, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
     "gemm_gguf_f32": (_I32, [_I32, _P, _P, _P, _I64, _I64, _P, _I64, _P, _P, _I32]),
+    "gemm_bf16_built": (_I32, []),
+    "gemm_bf16_pack": (None, [_P, _I64, _I64, _P, _I32]),
+    "gemm_bf16": (_I32, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
 }
 
 
@@ -89,4 +93,50 @@ def gemm_gguf(x: torch.Tensor, weight: GgufWeight,
     status = lib.gemm_gguf_f32(type_id, qs, d, offset or None, n, k, x.data_ptr(), x.shape[0],
                                None if bias is None else bias.data_ptr(), out.data_ptr(),
                                torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def bf16_built() -> bool | None:
+    """Whether the loaded build carries the AVX-512 BF16 GEMM (gemm_bf16.c, built where the
+    compiler targets AVX512_BF16: the CPU has it and no cap hides it); None without the
+    library."""
+    lib = _library()
+    return None if lib is None else bool(lib.gemm_bf16_built())
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    """[out, in] bf16 CPU weight -> its panels [pairs * 2, ceil(in / 2), 16, 2] (pairs =
+    ceil(out / 32), zero-padded), or None."""
+    lib = _library()
+    if (lib is None or weight.dim() != 2 or weight.dtype != torch.bfloat16
+            or not weight.is_cpu):
+        return None
+    weight = weight.detach().contiguous()
+    n, k = weight.shape
+    panels = torch.empty(-(-n // (2 * PANEL)) * 2, -(-k // 2), PANEL, 2, dtype=torch.bfloat16)
+    lib.gemm_bf16_pack(weight.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+    return panels
+
+
+def unpack_bf16(panels: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The [out, in] bf16 weight that `pack_bf16` was given, bit for bit."""
+    wide = panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL, -1)
+    return wide[:out_features, :in_features].contiguous()
+
+
+def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
+              bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x [rows, in] bf16 times the bf16 panels (+ bias [out] bf16) -> [rows, out] bf16,
+    float32 sums; None if not applicable (no kernel in this build, dtypes, an odd `in`)."""
+    lib = _library()
+    if (lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu
+            or x.shape[1] != 2 * panels.shape[1]
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+        return None
+    x = x.contiguous()
+    rows, k = x.shape
+    out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+    status = lib.gemm_bf16(x.data_ptr(), rows, k, panels.data_ptr(), out_features,
+                           None if bias is None else bias.data_ptr(), out.data_ptr(),
+                           torch.get_num_threads())
     return out if status == 0 else None

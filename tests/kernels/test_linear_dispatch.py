@@ -43,6 +43,7 @@ def calls(monkeypatch) -> list[str]:
     spy(cpu_linear, "linear_gguf_amx", "gguf amx")
     spy(cpu_linear, "dequantize_rows", "gguf dequantize")
     spy(cpu_gemm, "gemm", "native gemm")
+    spy(cpu_gemm, "gemm_bf16", "native bf16 gemm")
     spy(cpu_gemm, "gemm_gguf", "native gguf gemm")
     spy(cpu_onednn, "linear", "onednn")
     spy(F, "linear", "F.linear")
@@ -63,6 +64,14 @@ def _float32_batch_kind(weight: torch.Tensor) -> str:
     return "onednn" if cpu_onednn.can_prepack(weight) else "dense"
 
 
+def _bf16_kind() -> str:
+    """What a bf16 weight is prepared as on this host: the native bf16 GEMM's panels on
+    AVX-512 BF16 without AMX, else oneDNN's prepacked copy where it packs bf16, else as is."""
+    if dispatch.bf16_panels_preferred():
+        return "panels"
+    return "onednn" if cpu_features.detect().can_prepack_bf16 else "dense"
+
+
 def test_prepare_reports_the_kind_this_host_runs():
     weight, bias = _dense()
     prepared = dispatch.prepare_linear(weight, bias)
@@ -73,7 +82,9 @@ def test_prepare_reports_the_kind_this_host_runs():
     else:
         assert prepared.dense is weight
     bf16 = dispatch.prepare_linear(weight.bfloat16(), None)
-    assert bf16.kind == ("onednn" if cpu_features.detect().can_prepack_bf16 else "dense")
+    assert bf16.kind == _bf16_kind()
+    if bf16.kind == "panels":
+        assert bf16.dense is None and torch.equal(dispatch.unpack_linear(bf16), weight.bfloat16())
     quantized, _ = gguf_weight("Q4_0", 40, 64)
     gguf = dispatch.prepare_linear(quantized, bias.bfloat16())
     assert gguf.kind == "gguf" and gguf.dense is None
@@ -111,6 +122,7 @@ def test_unpacked_weights_take_native_rows_then_f_linear(calls):
 
 @needs_native
 def test_bf16_weights_take_native_bf16_rows_then_onednn_or_f_linear(calls):
+    """Where the bf16 panels serve, their GEMM takes every row count instead."""
     weight, bias = _dense(torch.bfloat16)
     prepared = dispatch.prepare_linear(weight, bias)
     x = torch.randn(dispatch.DENSE_ROWS_MAX + 1, 64).bfloat16()
@@ -118,6 +130,9 @@ def test_bf16_weights_take_native_bf16_rows_then_onednn_or_f_linear(calls):
         torch.testing.assert_close(dispatch.linear(x[:rows], prepared).float(),
                                    x[:rows].float() @ weight.float().T + bias.float(),
                                    rtol=1e-2, atol=2e-2)
+    if prepared.kind == "panels":
+        assert calls == ["native bf16 gemm"] * 3
+        return
     wide = "onednn" if prepared.kind == "onednn" else "F.linear"
     assert calls == ["native bf16 rows", "native bf16 rows", wide]
 
@@ -214,7 +229,8 @@ def test_matmul_primitives_are_built_once_per_packed_shape_and_row_bucket(monkey
     assert ran == expected  # b shares a's shape; the invariant weight is never packed
     assert built == sum(len(cpu_onednn.bucket_rows(low, top)) for *_, top in expected)
     assert invariant.packed is None
-    assert (a.packed is not None) == cpu_features.detect().can_prepack_bf16
+    assert (a.packed is not None) == (cpu_features.detect().can_prepack_bf16
+                                      and not dispatch.bf16_panels_preferred())
 
 
 def test_every_row_count_lands_in_a_built_bucket():

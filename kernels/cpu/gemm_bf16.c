@@ -1,0 +1,163 @@
+/* y = x W^T (+ bias) in bf16 for batches (a decode step's rows up to prefill chunks) on
+ * AVX-512 BF16 without AMX, with W packed once at load into pairs of 16-output panels:
+ * panel p holds outputs 16p..16p+15 as [k / 2][16][2], so one 512-bit load is two
+ * consecutive k of 16 outputs, what one vdpbf16ps multiplies by a pair of x broadcast to
+ * every lane (32 multiply-adds, no sum crossing lanes). The panels are the only copy of W
+ * that serving keeps (kernels/cpu/gemm.py unpack_bf16 gives the rows back).
+ *
+ * Why: at decode batches (16-64 rows) oneDNN's prepacked bf16 GEMM ran SmolLM2's layers
+ * at 60-92% of this core's vdpbf16ps peak with the weights in cache, and served a step
+ * ~30% slower than that: each step streams every weight from memory once, and that read
+ * did not overlap its compute. Here a tile is 2 panels x up to 8 rows (16 accumulators,
+ * 2 loads and 8 broadcasts per 16 vdpbf16ps), every row group of the batch meets a panel
+ * pair while it sits in L1/L2, and the first group asks for the pair PREFETCH_PAIRS ahead
+ * into L2, so the next weights arrive while this pair computes. Rows are not padded to
+ * oneDNN's buckets either.
+ *
+ * Each output is one chain of vdpbf16ps over k = 0, 2, 4, ... in order, whatever rows
+ * share its tile and whatever the row count or thread count: a row's result does not
+ * depend on the rest of the batch. Threads split the panel pairs, never k.
+ *
+ * Built only where the compiler targets AVX-512 BF16 and BW (-march=native on Cooper Lake,
+ * Zen 4 or later); other builds carry a stub that reports "not built". The packing is
+ * plain C in every build.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "prefetch.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define GEMM_BF16 1
+#include <immintrin.h>
+#else
+#define GEMM_BF16 0
+#endif
+
+enum { LANES = 16, PANELS = 2, ROWS_MAX = 8, PREFETCH_PAIRS = 2 };
+
+/* 1 when this build carries the kernel (tests check it against the CPU's flags). */
+int gemm_bf16_built(void) { return GEMM_BF16; }
+
+/* w [n, k] bf16 -> [pairs * 2][ceil(k / 2)][16][2], pairs = ceil(n / 32): outputs past n
+ * and a last odd k hold zeros, so every tile runs whole. */
+void gemm_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *out, int num_threads) {
+    const int64_t kp = (k + 1) / 2, panels = (n + PANELS * LANES - 1) / (PANELS * LANES) * PANELS;
+    #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= 65536)
+    for (int64_t p = 0; p < panels; p++) {
+        uint16_t *dst = out + p * kp * LANES * 2;
+        for (int j = 0; j < LANES; j++) {
+            const int64_t col = p * LANES + j;
+            for (int64_t i = 0; i < kp; i++)
+                for (int t = 0; t < 2; t++) {
+                    const int64_t at = 2 * i + t;
+                    dst[(i * LANES + j) * 2 + t] = (col < n && at < k) ? w[col * k + at] : 0;
+                }
+        }
+    }
+}
+
+#if GEMM_BF16
+
+static inline __m512bh pair_of(const uint16_t *x) {
+    int32_t bits;
+    memcpy(&bits, x, sizeof bits);
+    return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+/* `rows` x rows (a constant per inlined copy, so the loops unroll into registers) against
+ * one panel pair: out[r][h] = the 16 outputs of panel h for row r, bias not added. With
+ * `ahead` set, the same offsets of a later pair are fetched into L2 along the way. */
+static inline __attribute__((always_inline)) void pair_rows(
+        const int rows, const uint16_t *x, int64_t k, int64_t kp, const uint16_t *w,
+        const uint16_t *ahead, __m512 out[ROWS_MAX][PANELS]) {
+    const int64_t stride = kp * LANES * 2;
+    const uint16_t *w0 = w, *w1 = w + stride;
+    __m512 acc[ROWS_MAX][PANELS];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < kp; i++) {
+        if (ahead) {
+            prefetch_l2(ahead + i * LANES * 2);
+            prefetch_l2(ahead + stride + i * LANES * 2);
+        }
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(w0 + i * LANES * 2);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(w1 + i * LANES * 2);
+        for (int r = 0; r < rows; r++) {
+            const __m512bh a = pair_of(x + r * k + 2 * i);
+            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r][0] = acc[r][0], out[r][1] = acc[r][1];
+}
+
+#define PAIR_CASE(R) case R: pair_rows(R, x, k, kp, w, ahead, out); break;
+static void pair_any(int rows, const uint16_t *x, int64_t k, int64_t kp, const uint16_t *w,
+                     const uint16_t *ahead, __m512 out[ROWS_MAX][PANELS]) {
+    switch (rows) {
+        PAIR_CASE(1) PAIR_CASE(2) PAIR_CASE(3) PAIR_CASE(4)
+        PAIR_CASE(5) PAIR_CASE(6) PAIR_CASE(7) PAIR_CASE(8)
+    }
+}
+
+/* 16 outputs from j0 (the first `count` of them) of one row, + bias, rounded as torch
+ * rounds (bf16.h's nearest-even, lane by lane). */
+static inline void store16(uint16_t *dst, int count, __m512 v, const uint16_t *bias) {
+    const __mmask16 keep = (__mmask16)((1u << count) - 1u);
+    if (bias) {
+        const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias));
+        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
+    }
+    __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    _mm256_mask_storeu_epi16(dst, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+#endif
+
+/* y [m, n] bf16 = x [m, k] bf16 W^T + bias [n] bf16 (or NULL), W as gemm_bf16_pack laid
+ * it out. x's rows go in chunks that stay in L2 (~512 KiB, half a Zen 4 core's) while
+ * every panel pair passes over them: at 256 KiB Llama-3.2-1B's layers ran 0.90-0.93x
+ * oneDNN from 256 rows (its down projection's 8192-wide rows re-streamed W every 16 rows),
+ * at 512 KiB 0.98-1.03x. Returns -1 for a build without the kernel or an odd k (x is read
+ * in pairs). */
+int gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels, int64_t n,
+              const uint16_t *bias, uint16_t *y, int num_threads) {
+#if GEMM_BF16
+    if (k % 2 != 0) return -1;
+    if (m <= 0 || n <= 0) return 0;
+    const int64_t kp = k / 2, pairs = (n + PANELS * LANES - 1) / (PANELS * LANES);
+    const int64_t pair_elems = PANELS * kp * LANES * 2;
+    int64_t chunk = (512 * 1024 / 2) / k;
+    chunk = chunk < ROWS_MAX ? ROWS_MAX : chunk - chunk % ROWS_MAX;
+    #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
+    for (int64_t m0 = 0; m0 < m; m0 += chunk) {
+        const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
+        #pragma omp for schedule(static)
+        for (int64_t q = 0; q < pairs; q++) {
+            const uint16_t *w = panels + q * pair_elems;
+            /* Ahead within the whole weight: a thread's next pairs are its own (static
+             * split), and the first chunk is where W comes from memory. */
+            const uint16_t *ahead = (m0 == 0 && q + PREFETCH_PAIRS < pairs)
+                                    ? w + PREFETCH_PAIRS * pair_elems : NULL;
+            for (int64_t r0 = m0; r0 < m1; r0 += ROWS_MAX) {
+                const int rows = m1 - r0 < ROWS_MAX ? (int)(m1 - r0) : ROWS_MAX;
+                __m512 out[ROWS_MAX][PANELS];
+                pair_any(rows, x + r0 * k, k, kp, w, r0 == m0 ? ahead : NULL, out);
+                for (int h = 0; h < PANELS; h++) {
+                    const int64_t j0 = (q * PANELS + h) * LANES;
+                    if (j0 >= n) break;
+                    const int count = n - j0 < LANES ? (int)(n - j0) : LANES;
+                    for (int r = 0; r < rows; r++)
+                        store16(y + (r0 + r) * n + j0, count, out[r][h], bias ? bias + j0 : NULL);
+                }
+            }
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)m; (void)k; (void)panels; (void)n; (void)bias; (void)y; (void)num_threads;
+    return -1;
+#endif
+}
