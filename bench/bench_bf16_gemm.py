@@ -1,6 +1,7 @@
 """bf16 matmuls over a whole model's layer weights, as a decode step meets them: the native
 bf16 GEMM on its panels (kernels/cpu/gemm_bf16.c, AVX-512 BF16 builds) against oneDNN's
-prepacked bf16 GEMM, and at 1-4 rows against the dense row kernel (linear_bf16.c).
+prepacked bf16 GEMM, on AMX builds the same panels on tiles (gemm_bf16_amx) too, and at
+1-4 rows against the dense row kernel (linear_bf16.c).
 
     PYTHONPATH=. python -m bench.bench_bf16_gemm [--shape smollm2 llama-3.2-1b]
         [--rows 1 2 4 8 16 32 64 128 256] [--threads 2] [--rounds 3] [--lm-head]
@@ -48,6 +49,9 @@ def _sides(weights: list[tuple], rows: int) -> dict:
                                 for n, k, _, p, _ in weights],
              "onednn": lambda: [cpu_onednn.linear(xs[k], packed, None)
                                 for _, k, _, _, packed in weights]}
+    if cpu_gemm.bf16_amx_built():
+        sides["tiles"] = lambda: [cpu_gemm.gemm_bf16(xs[k], p, n, None, tiles=True)
+                                  for n, k, _, p, _ in weights]
     if rows <= ROW_KERNEL_MAX:
         sides["rows"] = lambda: [cpu_linear.linear_bf16_rows(xs[k], dense, None)
                                  for _, k, dense, _, _ in weights]
@@ -72,8 +76,11 @@ def _report(label: str, weights: list[tuple], rows: int, rounds: int) -> None:
     panels = best["panels"]
     line += (f" | panels {flops / panels / 1e9:5.0f} GFLOP/s {nbytes / panels / 1e9:5.1f} GB/s |"
              f" onednn/panels {best['onednn'] / panels:.2f}")
-    if "rows" in best:
-        line += f" rows/panels {best['rows'] / panels:.2f}"
+    for other in ("tiles", "rows"):
+        if other in best:
+            line += f" {other}/panels {best[other] / panels:.2f}"
+    if "tiles" in best:
+        line += f" onednn/tiles {best['onednn'] / best['tiles']:.2f}"
     print(line, flush=True)
 
 

@@ -310,6 +310,14 @@ def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
     return LinearWeight(weight, bias, packed=cpu_onednn.prepack(weight))
 
 
+# On AMX builds bf16 panels run on the tiles (gemm_bf16_amx) from this many rows, one row
+# on the vdpbf16ps kernel (as the fused single-sequence step does). Over a whole model's
+# streamed weights (bench.bench_bf16_gemm, 2-core Sapphire Rapids), the tiles ran 0.95x
+# the vdpbf16ps kernel at one row, 1.06-1.10x at 2, 1.2-1.4x at 4, 1.2-2x at 8-16 and 3-4x
+# from 32; against oneDNN's AMX GEMM 1.15-1.46x at 1-64 rows, 0.84-1.0x at 256.
+BF16_TILES_MIN_ROWS = 2
+
+
 def bf16_panels_preferred() -> bool:
     """Whether bf16 weights are served as the native GEMM's panels (kernels/cpu/gemm_bf16.c):
     where the build has it and the CPU in use is at the avx512_bf16 level (not amx, whose
@@ -319,7 +327,7 @@ def bf16_panels_preferred() -> bool:
     128-2048, Llama-3.2-1B's 1.02-1.32x at 1-16 rows and 0.98-1.03x at 32-1024; one row
     0.98-1.05x the dense row kernel, 2-4 rows 1.03-1.33x. So they replace the dense copy
     and oneDNN's (halving the weights' memory) and take every row count."""
-    return bool(cpu_gemm.bf16_built()) and cpu_features.detect().isa == "avx512_bf16"
+    return bool(cpu_gemm.bf16_built()) and cpu_features.detect().isa in ("avx512_bf16", "amx")
 
 
 def unpack_linear(weight: LinearWeight) -> torch.Tensor:
@@ -341,8 +349,15 @@ def linear(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
         return gguf_linear(x, weight.quantized, weight.bias, weight.batch_invariant)
     if weight.panels is not None:
         rows = x.reshape(-1, x.shape[-1])
-        gemm = cpu_gemm.gemm_bf16 if weight.panels.dtype == torch.bfloat16 else cpu_gemm.gemm
-        out = gemm(rows, weight.panels, weight.out_features, weight.bias)
+        if weight.panels.dtype == torch.bfloat16:
+            out = None
+            if rows.shape[0] >= BF16_TILES_MIN_ROWS and cpu_gemm.bf16_amx_built():
+                out = cpu_gemm.gemm_bf16(rows, weight.panels, weight.out_features,
+                                         weight.bias, tiles=True)
+            if out is None:
+                out = cpu_gemm.gemm_bf16(rows, weight.panels, weight.out_features, weight.bias)
+        else:
+            out = cpu_gemm.gemm(rows, weight.panels, weight.out_features, weight.bias)
         if out is not None:
             return out.view(*x.shape[:-1], weight.out_features)
         dense = unpack_linear(weight).to(x.dtype)

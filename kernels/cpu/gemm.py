@@ -25,6 +25,8 @@ _SIGNATURES = {
     "gemm_bf16_built": (_I32, []),
     "gemm_bf16_pack": (None, [_P, _I64, _I64, _P, _I32]),
     "gemm_bf16": (_I32, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
+    "gemm_bf16_amx_built": (_I32, []),
+    "gemm_bf16_amx": (_I32, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
 }
 
 
@@ -124,10 +126,19 @@ def unpack_bf16(panels: torch.Tensor, out_features: int, in_features: int) -> to
     return wide[:out_features, :in_features].contiguous()
 
 
+def bf16_amx_built() -> bool | None:
+    """Whether the loaded build carries the AMX tile GEMM on the same panels (gemm_bf16.c's
+    gemm_bf16_amx, built where the compiler targets AMX-BF16); None without the library."""
+    lib = _library()
+    return None if lib is None else bool(lib.gemm_bf16_amx_built())
+
+
 def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
-              bias: torch.Tensor | None) -> torch.Tensor | None:
+              bias: torch.Tensor | None, tiles: bool = False) -> torch.Tensor | None:
     """x [rows, in] bf16 times the bf16 panels (+ bias [out] bf16) -> [rows, out] bf16,
-    float32 sums; None if not applicable (no kernel in this build, dtypes, an odd `in`)."""
+    float32 sums; None if not applicable (no kernel in this build, dtypes, an odd `in`).
+    `tiles`: on AMX tiles (gemm_bf16_amx; also None where `in` is not a multiple of 32 or
+    Linux refused the tile state)."""
     lib = _library()
     if (lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu
             or x.shape[1] != 2 * panels.shape[1]
@@ -136,7 +147,8 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     x = x.contiguous()
     rows, k = x.shape
     out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-    status = lib.gemm_bf16(x.data_ptr(), rows, k, panels.data_ptr(), out_features,
-                           None if bias is None else bias.data_ptr(), out.data_ptr(),
-                           torch.get_num_threads())
+    kernel = lib.gemm_bf16_amx if tiles else lib.gemm_bf16
+    status = kernel(x.data_ptr(), rows, k, panels.data_ptr(), out_features,
+                    None if bias is None else bias.data_ptr(), out.data_ptr(),
+                    torch.get_num_threads())
     return out if status == 0 else None

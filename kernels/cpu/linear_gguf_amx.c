@@ -25,9 +25,7 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define GGUF_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 #else
 #define GGUF_AMX 0
 #endif
@@ -40,38 +38,6 @@ int linear_gguf_amx_built(void) { return GGUF_AMX; }
 enum { NB = 32,      /* rows of W a thread widens at once: two A tiles */
        MB = 16,      /* rows of x in one B tile */
        KS = 32 };    /* k per tile step: 16 pairs, 64 bytes a tile row */
-
-/* Linux hands out the 8 KB tile state only to processes that ask (arch_prctl); asking
- * again after a grant is harmless, but the answer is cached so a call costs nothing. */
-static int amx_permission(void) {
-    static int state = -1;  /* -1 unknown, 0 granted, 1 refused */
-    if (state < 0) {
-        long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
-                          18 /* XFEATURE_XTILEDATA */);
-        __atomic_store_n(&state, rc == 0 ? 0 : 1, __ATOMIC_RELEASE);
-    }
-    return __atomic_load_n(&state, __ATOMIC_ACQUIRE);
-}
-
-struct tile_config {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-/* Every tile in use is 16 rows of 64 bytes: C 0-3 (float32 16x16), A 4-5, B 6-7. */
-static void configure_tiles(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
 
 /* 16 vectors of 16 dwords, transposed in registers (r[i][j] -> r[j][i]). */
 static inline void transpose16(__m512i r[16]) {
@@ -222,7 +188,7 @@ int linear_gguf_amx(int type, const uint8_t *qs, const float *d, const float *of
         if (wbuf == NULL || acc == NULL) {
             __atomic_store_n(&failed, 1, __ATOMIC_RELAXED);
         } else {
-            configure_tiles();
+            amx_configure_full_tiles();  /* C 0-3, A (W) 4-5, B (x) 6-7 */
         }
         /* a thread without buffers skips its blocks; the call then reports failure */
         #pragma omp for schedule(static)

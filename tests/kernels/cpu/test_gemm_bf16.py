@@ -1,8 +1,8 @@
-"""The AVX-512 BF16 GEMM (kernels/cpu/gemm_bf16.c) and its panels: the packing round-trips
-bit-exactly on every host; where the build has the kernel, its numbers against float32
-sums of the same bf16 values, a row's bits whatever its batch or the threads, and the
-fused single-sequence decode step on the same panels; the build carries vdpbf16ps
-exactly where the compiler targets AVX-512 BF16."""
+"""The AVX-512 BF16 GEMM (kernels/cpu/gemm_bf16.c), its AMX tile twin on the same panels,
+and the panels: the packing round-trips bit-exactly on every host; where the build has a
+kernel, its numbers against float32 sums of the same bf16 values and a row's bits whatever
+its batch or the threads; the build carries vdpbf16ps exactly where the compiler targets
+AVX-512 BF16, and tile instructions exactly where it targets AMX."""
 from __future__ import annotations
 
 import pytest
@@ -19,6 +19,11 @@ needs_bf16 = pytest.mark.skipif(
     not cpu_gemm.bf16_built(),
     reason="needs the native library built for AVX-512 BF16 (an uncapped CPU with "
            "avx512_bf16, avx512bw and avx512vl)")
+
+needs_tiles = pytest.mark.skipif(
+    not cpu_gemm.bf16_amx_built(),
+    reason="needs the native library built for AMX (an uncapped CPU with amx_tile and "
+           "amx_bf16)")
 
 
 def _operands(rows: int, n: int, k: int, seed: int = 0):
@@ -42,16 +47,12 @@ def test_panels_round_trip_bit_exactly(n, k):
     assert int((panels != 0).sum()) == int((weight != 0).sum())
 
 
-@needs_bf16
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 33, 300])  # every register count,
-@pytest.mark.parametrize("n", [5, 32, 70])  # several groups and chunks; lanes unused, a whole pair
-@pytest.mark.parametrize("k", [2, 96, 576])
-def test_matches_float32_sums_of_the_same_values(rows, n, k):
+def _check_float32_sums(rows, n, k, tiles):
     x, weight, bias = _operands(rows, n, k, seed=rows + n + k)
     panels = cpu_gemm.pack_bf16(weight)
     exact = x.double() @ weight.double().T
     for b in (None, bias):
-        got = cpu_gemm.gemm_bf16(x, panels, n, b)
+        got = cpu_gemm.gemm_bf16(x, panels, n, b, tiles=tiles)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         expected = exact + (0 if b is None else b.double())
         # float32 sums, one rounding to bf16 at the end: within one bf16 ulp (2^-7 relative)
@@ -59,6 +60,43 @@ def test_matches_float32_sums_of_the_same_values(rows, n, k):
         err = (got.double() - expected).abs()
         bound = expected.abs() * 2 ** -8 + 1e-5 * (x.double().abs() @ weight.double().abs().T)
         assert bool((err <= bound + 1e-30).all()), float((err - bound).max())
+
+
+@needs_bf16
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 33, 300])  # every register count,
+@pytest.mark.parametrize("n", [5, 32, 70])  # several groups and chunks; lanes unused, a whole pair
+@pytest.mark.parametrize("k", [2, 96, 576])
+def test_matches_float32_sums_of_the_same_values(rows, n, k):
+    _check_float32_sums(rows, n, k, tiles=False)
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 48, 300])  # a padded tile, whole ones,
+@pytest.mark.parametrize("n", [5, 32, 70])  # one tile of two, a pair, and an odd one; chunks
+@pytest.mark.parametrize("k", [32, 576, 2048])
+def test_tiles_match_float32_sums_of_the_same_values(rows, n, k):
+    _check_float32_sums(rows, n, k, tiles=True)
+
+
+@needs_tiles
+def test_tiles_bits_do_not_depend_on_the_batch_or_the_threads_and_odd_widths_decline():
+    """Each output is one chain of tile dot products over k in order: the rows beside it, a
+    padded last tile and the thread count do not change it."""
+    x, weight, bias = _operands(300, 70, 2048, seed=5)
+    panels = cpu_gemm.pack_bf16(weight)
+    full = cpu_gemm.gemm_bf16(x, panels, 70, bias, tiles=True)
+    for m in (1, 15, 16, 17, 33):
+        assert torch.equal(cpu_gemm.gemm_bf16(x[:m], panels, 70, bias, tiles=True), full[:m])
+    assert torch.equal(cpu_gemm.gemm_bf16(x[150:151], panels, 70, bias, tiles=True),
+                       full[150:151])
+    with torch_threads(1):
+        assert torch.equal(cpu_gemm.gemm_bf16(x, panels, 70, bias, tiles=True), full)
+    # k must be whole tile steps of 32; the vdpbf16ps kernel takes the rest.
+    narrow = cpu_gemm.pack_bf16(weight[:, :96].contiguous())
+    x96 = x[:, :96].contiguous()
+    assert cpu_gemm.gemm_bf16(x96, narrow, 70, bias, tiles=True) is not None
+    odd = cpu_gemm.pack_bf16(weight[:, :80].contiguous())
+    assert cpu_gemm.gemm_bf16(x[:, :80].contiguous(), odd, 70, bias, tiles=True) is None
 
 
 @needs_bf16
@@ -107,13 +145,14 @@ def test_declines_what_it_does_not_take():
 
 @needs_native
 def test_prepare_serves_bf16_panels_exactly_where_they_are_preferred():
-    """On AVX-512 BF16 without AMX the panels replace the dense copy and oneDNN's and take
-    every row count, one row included; elsewhere nothing changes."""
-    x, weight, bias = _operands(5, 40, 64, seed=7)
+    """On AVX-512 BF16 and AMX the panels replace the dense copy and oneDNN's and take
+    every row count, one row included (on the tiles from BF16_TILES_MIN_ROWS where the
+    build has them); elsewhere nothing changes."""
+    x, weight, bias = _operands(40, 40, 64, seed=7)
     prepared = dispatch.prepare_linear(weight, bias)
     preferred = dispatch.bf16_panels_preferred()
     assert preferred == (bool(cpu_gemm.bf16_built())
-                         and cpu_features.detect().isa == "avx512_bf16")
+                         and cpu_features.detect().isa in ("avx512_bf16", "amx"))
     assert prepared.kind == ("panels" if preferred else
                              "onednn" if cpu_features.detect().can_prepack_bf16 else "dense")
     if not preferred:
@@ -121,9 +160,13 @@ def test_prepare_serves_bf16_panels_exactly_where_they_are_preferred():
     assert prepared.dense is None and prepared.packed is None
     assert prepared.in_features == 64 and prepared.out_features == 40
     assert torch.equal(dispatch.unpack_linear(prepared), weight)
-    full = dispatch.linear(x, prepared)
-    assert torch.equal(full, cpu_gemm.gemm_bf16(x, prepared.panels, 40, bias))
-    assert torch.equal(dispatch.linear(x[:1], prepared), full[:1])
+    tiles = bool(cpu_gemm.bf16_amx_built())
+    assert tiles == (cpu_features.detect().isa == "amx")
+    for rows in (1, dispatch.BF16_TILES_MIN_ROWS - 1, dispatch.BF16_TILES_MIN_ROWS, 40):
+        on_tiles = tiles and rows >= dispatch.BF16_TILES_MIN_ROWS
+        assert torch.equal(dispatch.linear(x[:rows], prepared),
+                           cpu_gemm.gemm_bf16(x[:rows], prepared.panels, 40, bias,
+                                              tiles=on_tiles))
     # Odd widths and batch-invariant weights keep their paths.
     assert dispatch.prepare_linear(weight[:, :63].contiguous(), bias).kind != "panels"
     assert dispatch.prepare_linear(weight, bias, batch_invariant=True).kind == "invariant"
@@ -139,13 +182,21 @@ def test_the_build_carries_the_kernel_exactly_where_the_cpu_has_avx512_bf16():
     assert cpu_gemm.bf16_built() == has
 
 
+def test_the_build_carries_the_tiles_exactly_where_the_cpu_has_amx():
+    if cpu_gemm.bf16_amx_built() is None:
+        pytest.skip("no native library")
+    features = cpu_features.detect()
+    assert cpu_gemm.bf16_amx_built() == (features.isa == "amx")
+
+
 @pytest.mark.skipif(not CAN_DISASSEMBLE, reason="needs gcc and objdump")
-@pytest.mark.parametrize("march, bf16", [(["-march=x86-64"], False),
-                                         (["-march=x86-64-v3"], False),
-                                         (["-march=x86-64-v4"], False),
-                                         (["-march=x86-64-v4", "-mavx512bf16"], True),
-                                         (["-march=cooperlake"], True),
-                                         (["-march=sapphirerapids"], True)])
-def test_every_isa_builds_the_file(tmp_path, march, bf16):
+@pytest.mark.parametrize("march, bf16, tiles", [(["-march=x86-64"], False, False),
+                                                (["-march=x86-64-v3"], False, False),
+                                                (["-march=x86-64-v4"], False, False),
+                                                (["-march=x86-64-v4", "-mavx512bf16"], True, False),
+                                                (["-march=cooperlake"], True, False),
+                                                (["-march=sapphirerapids"], True, True)])
+def test_every_isa_builds_the_file(tmp_path, march, bf16, tiles):
     disassembly = disassemble("gemm_bf16.c", march, tmp_path)
     assert ("vdpbf16ps" in disassembly) == bf16
+    assert ("tdpbf16ps" in disassembly) == tiles

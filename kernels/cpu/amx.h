@@ -1,0 +1,48 @@
+/* What every AMX kernel needs before its first tile instruction (linear_gguf_amx.c and
+ * gemm_bf16.c): the kernel's grant of the tile state, and one tile configuration.
+ * Include only where __AMX_TILE__ is defined.
+ */
+#ifndef TLE_AMX_H
+#define TLE_AMX_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Linux hands out the 8 KB tile state only to processes that ask (arch_prctl); asking
+ * again after a grant is harmless, but the answer is cached so a call costs nothing.
+ * 0 granted, 1 refused. */
+static int amx_permission(void) {
+    static int state = -1;  /* -1 unknown */
+    if (__atomic_load_n(&state, __ATOMIC_ACQUIRE) < 0) {
+        long rc = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                          18 /* XFEATURE_XTILEDATA */);
+        __atomic_store_n(&state, rc == 0 ? 0 : 1, __ATOMIC_RELEASE);
+    }
+    return __atomic_load_n(&state, __ATOMIC_ACQUIRE);
+}
+
+struct amx_tile_config {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+/* Tiles 0-7, each 16 rows of 64 bytes (a float32 16 x 16 accumulator, or 16 rows of 16
+ * bf16 pairs), for the calling thread until _tile_release. */
+static inline void amx_configure_full_tiles(void) {
+    struct amx_tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+#endif
