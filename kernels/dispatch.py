@@ -9,7 +9,8 @@ an ISA-specific kernel means one more branch here; the callers do not change.
 The model's matmuls come here too: `prepare_linear` turns a loaded weight (dense, or GGUF
 blocks) into a LinearWeight once (prepacked for oneDNN where that is faster), and
 `linear` picks by its kind and the row count: GGUF native or dense GEMM, the native
-few-row kernel, the native float32 GEMM (AVX2 hosts), oneDNN's prepacked GEMM, or F.linear.
+few-row kernel, the native float32 GEMM (AVX2 hosts), the native bf16 GEMM (AVX-512 BF16
+and AMX hosts, on tiles where AMX runs), oneDNN's prepacked GEMM, or F.linear.
 
 Batch-invariant mode (the engine's batch_invariant) takes the row count out of every
 choice: float32 matmuls run the native GEMM for any number of rows, one included, wherever
@@ -320,13 +321,17 @@ BF16_TILES_MIN_ROWS = 2
 
 def bf16_panels_preferred() -> bool:
     """Whether bf16 weights are served as the native GEMM's panels (kernels/cpu/gemm_bf16.c):
-    where the build has it and the CPU in use is at the avx512_bf16 level (not amx, whose
-    tiles oneDNN runs). On a 2-core Zen 4 (AVX-512 BF16, no AMX), over every layer's
+    where the build has it and the CPU in use is at the avx512_bf16 or amx level (on AMX
+    builds the panels also run on the tiles, BF16_TILES_MIN_ROWS). On a 2-core Zen 4
+    (AVX-512 BF16, no AMX), over every layer's
     weights streamed from memory as a step streams them (bench.bench_bf16_gemm), the panels
     ran SmolLM2's 1.18-1.74x oneDNN's prepacked bf16 GEMM at 1-64 rows and 1.04-1.26x at
     128-2048, Llama-3.2-1B's 1.02-1.32x at 1-16 rows and 0.98-1.03x at 32-1024; one row
-    0.98-1.05x the dense row kernel, 2-4 rows 1.03-1.33x. So they replace the dense copy
-    and oneDNN's (halving the weights' memory) and take every row count."""
+    0.98-1.05x the dense row kernel, 2-4 rows 1.03-1.33x. On a 2-core Sapphire Rapids
+    (AMX) the tiles ran 1.12-1.46x oneDNN's AMX GEMM at 2-64 rows over both models'
+    layers (0.82-1.0x at 256-row prefill chunks) and one row 0.95-1.0x the row kernel. So
+    they replace the dense copy and oneDNN's (halving the weights' memory) and take every
+    row count."""
     return bool(cpu_gemm.bf16_built()) and cpu_features.detect().isa in ("avx512_bf16", "amx")
 
 
