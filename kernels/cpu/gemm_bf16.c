@@ -178,9 +178,9 @@ int gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels, i
 
 #if GEMM_AMX
 enum { TILE_ROWS = 16, TILE_K = 32, TILE_ELEMS = TILE_ROWS * TILE_K };
-#ifndef TILES_CHUNK_BYTES
-#define TILES_CHUNK_BYTES (1024 * 1024)
-#endif
+/* x's share of L2 (half an AMX core's 2 MiB), the most rows a chunk takes when k is
+ * split, and the chunk below which k is split (see gemm_bf16_amx). */
+enum { TILES_CHUNK_BYTES = 1024 * 1024, ROWS_CHUNK = 512, KSPLIT_BELOW_ROWS = 128 };
 
 /* x [m, k] -> A tiles, tile (b, s) = rows 16b.. x k 32s.. as 16 rows of 64 bytes at
  * xt + (b * steps + s) * TILE_ELEMS; rows past m are zeros. Read in place, a tile's rows
@@ -198,16 +198,26 @@ static void tile_x(const uint16_t *x, int64_t m, int64_t k, uint16_t *xt, int64_
 
 /* One or two A tiles' rows (tiles 4 and 5, consecutive k steps TILE_ELEMS apart) against
  * one panel pair (B tiles 6 and 7: a panel's 16 pairs of k at a step are 16 rows of 64
- * bytes, exactly a B tile) -> acc [32 rows][32 outputs] float32. No software prefetch:
+ * bytes, exactly a B tile) over `steps` steps -> c [32 rows][32 outputs] float32, rows
+ * ldc apart; with `resume`, on top of the partial sums already there (stored float32
+ * sums reload exactly, so splitting k does not change a bit). No software prefetch:
  * asking for the pair two ahead into L2, as gemm_bf16 does, made Llama-3.2-1B's layers
  * 0.85x oneDNN at 64 rows where without it they ran 1.13x (2-core Sapphire Rapids). */
 static inline __attribute__((always_inline)) void tiles_block(
         const int two, const uint16_t *a0, const uint16_t *a1, const uint16_t *w,
-        int64_t panel_elems, int64_t steps, float *acc) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+        int64_t panel_elems, int64_t steps, float *c, int64_t ldc, int resume) {
+    const int64_t cb = ldc * (int64_t)sizeof(float);
+    if (resume) {
+        _tile_loadd(0, c, cb);
+        _tile_loadd(1, c + LANES, cb);
+        _tile_loadd(2, c + TILE_ROWS * ldc, cb);
+        _tile_loadd(3, c + TILE_ROWS * ldc + LANES, cb);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t s = 0; s < steps; s++) {
         const uint16_t *b = w + s * TILE_K * LANES;
         _tile_loadd(6, b, 64);
@@ -221,11 +231,11 @@ static inline __attribute__((always_inline)) void tiles_block(
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, acc, 32 * sizeof(float));
-    _tile_stored(1, acc + 16, 32 * sizeof(float));
+    _tile_stored(0, c, cb);
+    _tile_stored(1, c + LANES, cb);
     if (two) {
-        _tile_stored(2, acc + 16 * 32, 32 * sizeof(float));
-        _tile_stored(3, acc + 16 * 32 + 16, 32 * sizeof(float));
+        _tile_stored(2, c + TILE_ROWS * ldc, cb);
+        _tile_stored(3, c + TILE_ROWS * ldc + LANES, cb);
     }
 }
 #endif
@@ -244,44 +254,68 @@ int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panel
     const int64_t blocks = (m + TILE_ROWS - 1) / TILE_ROWS;
     uint16_t *xt = aligned_alloc(64, (size_t)blocks * steps * TILE_ELEMS * sizeof(uint16_t));
     if (xt == NULL) return -1;
-    /* x in chunks of whole tile pairs that stay in L2 (~1 MiB, half an AMX core's) while
-     * every panel pair passes */
-    int64_t chunk = (TILES_CHUNK_BYTES / 2) / k;
-    chunk = chunk < 2 * TILE_ROWS ? 2 * TILE_ROWS : chunk - chunk % (2 * TILE_ROWS);
+    /* Rows of x go in chunks whose tiles (~1 MiB) stay in L2 while every panel pair passes
+     * over them; W is streamed again for each chunk. Where k is so wide that a chunk would
+     * hold under KSPLIT_BELOW_ROWS rows, k goes in blocks of kc instead, with up to
+     * ROWS_CHUNK rows, and a chunk's partial sums wait in c (float32) for the next block:
+     * Llama-3.2-1B's 8192-wide down projection had left 64 rows a chunk and ran its layers
+     * at 0.81x oneDNN at 256 rows, 0.92-0.94x split (2-core Sapphire Rapids). */
+    int64_t rows_chunk = (TILES_CHUNK_BYTES / 2) / k / (2 * TILE_ROWS) * (2 * TILE_ROWS), kc = k;
+    if (rows_chunk < KSPLIT_BELOW_ROWS && m > rows_chunk) {
+        rows_chunk = (m + 2 * TILE_ROWS - 1) / (2 * TILE_ROWS) * (2 * TILE_ROWS);
+        if (rows_chunk > ROWS_CHUNK) rows_chunk = ROWS_CHUNK;
+        kc = (TILES_CHUNK_BYTES / 2) / rows_chunk / TILE_K * TILE_K;
+        kc = kc < TILE_K ? TILE_K : kc > k ? k : kc;
+    }
+    if (rows_chunk < 2 * TILE_ROWS) rows_chunk = 2 * TILE_ROWS;
+    const int64_t ldc = pairs * PANELS * LANES;
+    float *c = NULL;
+    if (kc < k && (c = aligned_alloc(64, (size_t)rows_chunk * ldc * sizeof(float))) == NULL) {
+        free(xt);
+        return -1;
+    }
     #pragma omp parallel num_threads(num_threads) if (m * n * k >= 65536)
     {
         #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t s = 0; s < steps; s++) tile_x(x, m, k, xt, b, s);
-        float acc[32 * 32] __attribute__((aligned(64)));
+        float acc[2 * TILE_ROWS * PANELS * LANES] __attribute__((aligned(64)));
         amx_configure_full_tiles();
-        for (int64_t m0 = 0; m0 < m; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
-            #pragma omp for schedule(static)
-            for (int64_t q = 0; q < pairs; q++) {
-                const uint16_t *w = panels + q * PANELS * panel_elems;
-                for (int64_t r0 = m0; r0 < m1; r0 += 2 * TILE_ROWS) {
-                    const uint16_t *a0 = xt + (r0 / TILE_ROWS) * steps * TILE_ELEMS;
-                    const uint16_t *a1 = a0 + steps * TILE_ELEMS;
-                    if (r0 + TILE_ROWS < m1)
-                        tiles_block(1, a0, a1, w, panel_elems, steps, acc);
-                    else
-                        tiles_block(0, a0, a1, w, panel_elems, steps, acc);
-                    const int rows = m1 - r0 < 2 * TILE_ROWS ? (int)(m1 - r0) : 2 * TILE_ROWS;
-                    for (int h = 0; h < PANELS; h++) {
-                        const int64_t j0 = (q * PANELS + h) * LANES;
-                        if (j0 >= n) break;
-                        const int count = n - j0 < LANES ? (int)(n - j0) : LANES;
-                        for (int r = 0; r < rows; r++)
-                            store16(y + (r0 + r) * n + j0, count,
-                                    _mm512_load_ps(acc + r * 32 + h * LANES),
-                                    bias ? bias + j0 : NULL);
+        for (int64_t m0 = 0; m0 < m; m0 += rows_chunk) {
+            const int64_t m1 = m0 + rows_chunk < m ? m0 + rows_chunk : m;
+            for (int64_t k0 = 0; k0 < k; k0 += kc) {
+                const int64_t s0 = k0 / TILE_K, ns = (k - k0 < kc ? k - k0 : kc) / TILE_K;
+                const int last = k0 + kc >= k;
+                #pragma omp for schedule(static)
+                for (int64_t q = 0; q < pairs; q++) {
+                    const uint16_t *w = panels + q * PANELS * panel_elems + s0 * TILE_K * LANES;
+                    for (int64_t r0 = m0; r0 < m1; r0 += 2 * TILE_ROWS) {
+                        const uint16_t *a0 = xt + ((r0 / TILE_ROWS) * steps + s0) * TILE_ELEMS;
+                        const uint16_t *a1 = a0 + steps * TILE_ELEMS;
+                        float *cq = c ? c + (r0 - m0) * ldc + q * PANELS * LANES : acc;
+                        const int64_t ldq = c ? ldc : PANELS * LANES;
+                        if (r0 + TILE_ROWS < m1)
+                            tiles_block(1, a0, a1, w, panel_elems, ns, cq, ldq, k0 > 0);
+                        else
+                            tiles_block(0, a0, a1, w, panel_elems, ns, cq, ldq, k0 > 0);
+                        if (!last) continue;
+                        const int rows = m1 - r0 < 2 * TILE_ROWS ? (int)(m1 - r0) : 2 * TILE_ROWS;
+                        for (int h = 0; h < PANELS; h++) {
+                            const int64_t j0 = (q * PANELS + h) * LANES;
+                            if (j0 >= n) break;
+                            const int count = n - j0 < LANES ? (int)(n - j0) : LANES;
+                            for (int r = 0; r < rows; r++)
+                                store16(y + (r0 + r) * n + j0, count,
+                                        _mm512_load_ps(cq + r * ldq + h * LANES),
+                                        bias ? bias + j0 : NULL);
+                        }
                     }
                 }
             }
         }
         _tile_release();
     }
+    free(c);
     free(xt);
     return 0;
 #else

@@ -73,7 +73,7 @@ def test_matches_float32_sums_of_the_same_values(rows, n, k):
 @needs_tiles
 @pytest.mark.parametrize("rows", [1, 15, 16, 17, 32, 48, 300])  # a padded tile, whole ones,
 @pytest.mark.parametrize("n", [5, 32, 70])  # one tile of two, a pair, and an odd one; chunks
-@pytest.mark.parametrize("k", [32, 576, 2048])
+@pytest.mark.parametrize("k", [32, 576, 2048, 8192])  # 8192 at 300 rows: k in blocks
 def test_tiles_match_float32_sums_of_the_same_values(rows, n, k):
     _check_float32_sums(rows, n, k, tiles=True)
 
@@ -81,8 +81,10 @@ def test_tiles_match_float32_sums_of_the_same_values(rows, n, k):
 @needs_tiles
 def test_tiles_bits_do_not_depend_on_the_batch_or_the_threads_and_odd_widths_decline():
     """Each output is one chain of tile dot products over k in order: the rows beside it, a
-    padded last tile and the thread count do not change it."""
-    x, weight, bias = _operands(300, 70, 2048, seed=5)
+    padded last tile, k split in blocks (300 rows of 8192: six blocks, the partial sums
+    kept in float32 between them; a single row: none) and the thread count do not change
+    it."""
+    x, weight, bias = _operands(300, 70, 8192, seed=5)
     panels = cpu_gemm.pack_bf16(weight)
     full = cpu_gemm.gemm_bf16(x, panels, 70, bias, tiles=True)
     for m in (1, 15, 16, 17, 33):
