@@ -315,7 +315,7 @@ def prepare_linear(weight: torch.Tensor | GgufWeight, bias: torch.Tensor | None,
 # on the vdpbf16ps kernel (as the fused single-sequence step does). Over a whole model's
 # streamed layers (bench.bench_bf16_gemm, SmolLM2 and Llama-3.2-1B, 2-core Sapphire
 # Rapids) the tiles ran 0.97-0.98x the vdpbf16ps kernel at one row, 1.09x at 2, 1.2-1.35x
-# at 4 and 2.4-2.7x at 16; against oneDNN's AMX GEMM 1.13-1.50x at 1-64 rows, 0.92-1.0x
+# at 4 and 2.4-2.7x at 16; against oneDNN's AMX GEMM 1.13-1.45x at 2-64 rows, 0.92-1.0x
 # at 256.
 BF16_TILES_MIN_ROWS = 2
 
@@ -329,7 +329,7 @@ def bf16_panels_preferred() -> bool:
     ran SmolLM2's 1.18-1.74x oneDNN's prepacked bf16 GEMM at 1-64 rows and 1.04-1.26x at
     128-2048, Llama-3.2-1B's 1.02-1.32x at 1-16 rows and 0.98-1.03x at 32-1024; one row
     0.98-1.05x the dense row kernel, 2-4 rows 1.03-1.33x. On a 2-core Sapphire Rapids
-    (AMX) the tiles ran 1.13-1.50x oneDNN's AMX GEMM at 2-64 rows over both models'
+    (AMX) the tiles ran 1.13-1.45x oneDNN's AMX GEMM at 2-64 rows over both models'
     layers (0.92-1.0x at 256-row prefill chunks) and one row 0.97-1.02x the row kernel. So
     they replace the dense copy and oneDNN's (halving the weights' memory) and take every
     row count."""

@@ -13,8 +13,8 @@ from kernels.cpu.gguf_weight import GgufWeight
 class LinearWeight:
     """dense: [out, in] (float32 or bf16, any device), None once GGUF blocks or panels
     replace it; panels: the weight packed for a native GEMM (kernels/cpu/gemm.py: float32
-    where that GEMM is the fastest and under batch_invariant, bf16 on AVX-512 BF16 without
-    AMX), then the only copy (every row count runs on it, and out_features says how many
+    where that GEMM is the fastest and under batch_invariant, bf16 on AVX-512 BF16 and AMX
+    hosts), then the only copy (every row count runs on it, and out_features says how many
     of the padded columns are real); packed: oneDNN's blocked
     copy of dense, where that is (CPU);
     quantized: the GGUF blocks; bias: [out] or None (float32 beside GGUF blocks);

@@ -5,8 +5,8 @@ Python-level kernel calls a layer.
 The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
 cache); a step then passes the token's embedding, position, slot and block table.
 Applies on CPU to float32 or bf16 models (activations, norms, rope tables and KV cache
-in one dtype) with dense weights in that dtype, GEMM panels in that dtype or GGUF Q4_0/Q4_1/Q8_0 blocks; `plan`
-returns None otherwise and the caller keeps its own path.
+in one dtype) with dense weights in that dtype, GEMM panels in that dtype or GGUF
+Q4_0/Q4_1/Q8_0 blocks; `plan` returns None otherwise and the caller keeps its own path.
 """
 from __future__ import annotations
 
