@@ -126,9 +126,11 @@ def unpack_bf16(panels: torch.Tensor, out_features: int, in_features: int) -> to
     return wide[:out_features, :in_features].contiguous()
 
 
+@lru_cache(maxsize=1)
 def bf16_amx_built() -> bool | None:
     """Whether the loaded build carries the AMX tile GEMM on the same panels (gemm_bf16.c's
-    gemm_bf16_amx, built where the compiler targets AMX-BF16); None without the library."""
+    gemm_bf16_amx, built where the compiler targets AMX-BF16); None without the library.
+    Cached like the library: dispatch.linear asks on every bf16 batch matmul."""
     lib = _library()
     return None if lib is None else bool(lib.gemm_bf16_amx_built())
 

@@ -211,8 +211,10 @@ static inline __attribute__((always_inline)) void tiles_block(
     if (resume) {
         _tile_loadd(0, c, cb);
         _tile_loadd(1, c + LANES, cb);
-        _tile_loadd(2, c + TILE_ROWS * ldc, cb);
-        _tile_loadd(3, c + TILE_ROWS * ldc + LANES, cb);
+        if (two) {
+            _tile_loadd(2, c + TILE_ROWS * ldc, cb);
+            _tile_loadd(3, c + TILE_ROWS * ldc + LANES, cb);
+        }
     } else {
         _tile_zero(0);
         _tile_zero(1);
