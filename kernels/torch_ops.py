@@ -46,7 +46,7 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, decode=None, rows_only: bool = False,
-                    rows_max_work: int = ROWS_MAX_WORK) -> torch.Tensor:
+                    rows_max_work: int = ROWS_MAX_WORK, prefill=None) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
     Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
@@ -57,6 +57,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     `rows_only`: every query token goes through `decode` as a row (batch-invariant mode:
     a token's attention then depends on its position alone, not on its chunk).
     `rows_max_work`: the short-chunk limit for `decode`, where SDPA is faster than usual.
+    `prefill`: a kernel for every other chunk at once, (query, key_cache, value_cache,
+    block_tables, chunk_starts, chunk_lens, seq_lens, scale, out) -> whether it wrote
+    them into `out`; where it declines, each chunk runs SDPA (prefill_attention).
     """
     fast_decode = decode
     decode = decode or decode_attention
@@ -90,13 +93,22 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     lengths = seq_lens.tolist()
     capacity = block_tables.shape[1] * key_cache.shape[1]
     by_rows = as_rows.tolist()
-    for seq, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
-        if end - start > 1 and not by_rows[seq]:
-            if lengths[seq] > capacity:
-                raise ValueError(f"seq_lens: {lengths[seq]} exceeds what block_tables can "
-                                 f"address ({capacity})")
-            out[start:end] = prefill_attention(query[start:end], key_cache, value_cache,
-                                               block_tables[seq], lengths[seq], scale)
+    chunks = [seq for seq, (start, end) in enumerate(zip(starts[:-1], starts[1:]))
+              if end - start > 1 and not by_rows[seq]]
+    for seq in chunks:
+        if lengths[seq] > capacity:
+            raise ValueError(f"seq_lens: {lengths[seq]} exceeds what block_tables can "
+                             f"address ({capacity})")
+    if chunks and prefill is not None:
+        picked = torch.tensor(chunks)
+        if prefill(query, key_cache, value_cache, block_tables.index_select(0, picked),
+                   query_start_loc.index_select(0, picked), query_lens.index_select(0, picked),
+                   seq_lens.index_select(0, picked), scale, out):
+            return out
+    for seq in chunks:
+        start, end = starts[seq], starts[seq + 1]
+        out[start:end] = prefill_attention(query[start:end], key_cache, value_cache,
+                                           block_tables[seq], lengths[seq], scale)
     return out
 
 

@@ -1,9 +1,10 @@
-"""The paged attention kernel for float32 and bf16 (kernels/cpu/paged_attention_f32.c): a
-whole step's decode rows and prefill chunks in one call, K/V read in place through the
-block table.
+"""The paged attention kernels for float32 and bf16: a whole step's decode rows and
+prefill chunks in one call, K/V read in place through the block table
+(kernels/cpu/paged_attention_f32.c), and bf16 prefill chunks on AMX tiles
+(kernels/cpu/prefill_attention_amx.c).
 
-Returns None when it does not apply (no library, dtype, layout, a shape it declines);
-kernels.dispatch then runs the torch path with the decode kernel for rows.
+Each returns None (or False) when it does not apply (no library, dtype, layout, a shape
+it declines); kernels.dispatch then runs the torch path with the decode kernel for rows.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from kernels.cpu import native as cpu_native
 
 _P, _I32, _F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _ARGS = (_I32, [_P] * 7 + [_I32] * 7 + [_F32, _I32])
-_SIGNATURES = {"paged_attention_f32": _ARGS, "paged_attention_bf16": _ARGS}
+_SIGNATURES = {"paged_attention_f32": _ARGS, "paged_attention_bf16": _ARGS,
+               "prefill_attention_amx_built": (_I32, []),
+               "prefill_attention_amx": (_I32, [_P] * 8 + [_I32] * 7 + [_F32, _I32])}
 _KERNELS = {torch.float32: "paged_attention_f32", torch.bfloat16: "paged_attention_bf16"}
 
 
@@ -55,6 +58,43 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if total < num_tokens:
         out[total:].zero_()
     return out
+
+
+@lru_cache(maxsize=1)
+def prefill_amx_built() -> bool:
+    """Whether the loaded build carries the AMX prefill kernel (compiled for AMX-BF16 and
+    AVX-512 BF16); asked once per attention call on AMX hosts, so cached."""
+    lib = _library()
+    return lib is not None and bool(lib.prefill_attention_amx_built())
+
+
+def prefill_attention_amx(query: torch.Tensor, key_cache: torch.Tensor,
+                          value_cache: torch.Tensor, block_tables: torch.Tensor,
+                          chunk_starts: torch.Tensor, chunk_lens: torch.Tensor,
+                          seq_lens: torch.Tensor, scale: float, out: torch.Tensor) -> bool:
+    """Causal attention of bf16 prefill chunks on AMX tiles, written into `out` [T, H, D]:
+    chunk i is query rows chunk_starts[i] .. + chunk_lens[i], the last chunk_lens[i] of its
+    seq_lens[i] positions, over the context that block_tables[i] addresses (rows of `out`
+    outside the chunks are left as they are). False where it does not apply (no such
+    build, dtypes, layout, head_dim not a multiple of 64, a GQA group over 16 heads);
+    `out` is then untouched."""
+    if not (prefill_amx_built() and query.is_cpu
+            and query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16
+            and key_cache.is_contiguous() and value_cache.is_contiguous()
+            and out.is_contiguous() and out.shape == query.shape):
+        return False
+    query = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = chunk_starts.to(torch.int32).contiguous()
+    lens = chunk_lens.to(torch.int32).contiguous()
+    context = seq_lens.to(torch.int32).contiguous()
+    num_tokens, num_heads, head_dim = query.shape
+    status = _library().prefill_attention_amx(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
+        tables.data_ptr(), starts.data_ptr(), lens.data_ptr(), context.data_ptr(),
+        tables.shape[0], num_tokens, num_heads, key_cache.shape[2], head_dim,
+        key_cache.shape[1], tables.shape[1], float(scale), torch.get_num_threads())
+    return status == 0
 
 
 def paged_attention_f32(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,

@@ -102,6 +102,9 @@ def test_threads_do_not_change_the_bits_and_padding_rows_are_zero(dtype, toleran
 def test_dispatch_runs_prefill_steps_here_and_batch_invariant_mode_elsewhere(monkeypatch,
                                                                            dtype):
     batch = make_paged_batch(SEQ_LENS, QUERY_LENS, 9, 3, 64, 16, dtype=dtype, seed=4)
+    # Where the AMX prefill kernel is built it takes bf16 chunks from 16 x 64 positions
+    # (test_prefill_attention_amx.py); the tiles' own limit there is 64 x 64.
+    monkeypatch.setattr(dispatch, "BF16_AMX_PREFILL_MIN_WORK", dispatch.BF16_AMX_TILE_MAX_WORK)
     calls = []
 
     def tiles(*args):
@@ -134,9 +137,12 @@ def test_declines_what_it_does_not_handle():
 
 
 def test_dispatch_sends_chunks_past_the_tile_limit_to_sdpa(monkeypatch):
-    # bf16 on an AMX host cuts over at a few thousand query x context positions.
+    # bf16 on an AMX host cuts over at a few thousand query x context positions; there the
+    # chunks go to the AMX prefill kernel (test_prefill_attention_amx.py), SDPA where it
+    # declines, as here.
     batch = make_paged_batch([300, 9], [300, 1], 9, 3, 64, 16, dtype=torch.bfloat16, seed=6)
     monkeypatch.setattr(dispatch, "_tile_max_work", lambda dtype: 1000)
+    monkeypatch.setattr(dispatch, "_cpu_prefill", lambda dtype: None)
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *args: pytest.fail("tiles"))
     sdpa = []
     prefill = torch_ops.prefill_attention
