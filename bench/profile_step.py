@@ -99,6 +99,9 @@ def install(timer: PartTimer) -> None:
     """Wrap the parts of a step; the wrappers call the real functions unchanged."""
     w = timer.wrap
     dispatch.linear = w(_linear_part, dispatch.linear)
+    # The MLP's gate_up matmul ending in silu_mul (AMX tiles); where it does not fuse, its
+    # two halves land under "matmul" and "silu_mul" as before.
+    dispatch.gate_up_silu = w("matmul gate_up+silu", dispatch.gate_up_silu)
     for module, name in ((dispatch, "add_rms_norm"), (dispatch, "silu_mul"),
                          (dispatch, "rope"), (dispatch, "argmax_rows")):
         setattr(module, name, w(name, getattr(module, name)))

@@ -178,6 +178,22 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return torch_ops.silu_mul(gate_up)
 
 
+def gate_up_silu(x: torch.Tensor, weight: LinearWeight) -> torch.Tensor:
+    """silu_mul(linear(x, weight)) for the MLP's fused [gate; up] weight -> [tokens, inter].
+    bf16 panels on AMX tiles (BF16_TILES_MIN_ROWS rows and up) run both in one pass, the
+    same bits without the [tokens, 2 * inter] product in memory (SmolLM2's prefill steps
+    spent 48 of 493 ms in silu_mul, reading that product back); the rest runs the two."""
+    if (weight.panels is not None and weight.panels.dtype == torch.bfloat16
+            and not weight.batch_invariant and cpu_gemm.bf16_amx_built()):
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] >= BF16_TILES_MIN_ROWS:
+            out = cpu_gemm.gemm_bf16_silu(rows, weight.panels, weight.out_features // 2,
+                                          weight.bias)
+            if out is not None:
+                return out.view(*x.shape[:-1], weight.out_features // 2)
+    return silu_mul(linear(x, weight))
+
+
 def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int,
          positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
          cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

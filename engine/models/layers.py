@@ -105,4 +105,7 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # .forward: see engine/models/llama.py LlamaAttention
-        return self.down_proj.forward(dispatch.silu_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj
+        if type(gate_up) is Linear:  # not wrapped (LoRA): the matmul may end in silu_mul
+            return self.down_proj.forward(dispatch.gate_up_silu(x, gate_up.kernel_weight()))
+        return self.down_proj.forward(dispatch.silu_mul(gate_up.forward(x)))

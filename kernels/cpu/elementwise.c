@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "silu.h"
 
 /* The float32 kernels fork threads only above this many elements. A decode row (a few
  * hundred to a few thousand floats) takes well under a microsecond on one core, less
@@ -51,28 +52,14 @@ void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *we
     }
 }
 
-/* silu(g) = g / (1 + exp(-g)), with g clamped at -88 so exp(-g) stays finite: under
- * -ffast-math gcc divides by multiplying with a refined reciprocal, which turns
- * g / inf into NaN (gates below about -88.7). silu(-88) is ~-5e-37: zero in practice. */
-static inline float silu(float g) {
-    g = fmaxf(g, -88.f);
-    return g / (1.f + expf(-g));
-}
-
 /* out[r, i] = bf16(bf16(silu(gate_up[r, i])) * gate_up[r, inter + i])
- * Matches: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]) */
+ * Matches: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]) (silu.h) */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
                    int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter;
-        const uint16_t *up = gate + inter;
-        uint16_t *dst = out + r * inter;
-        for (int64_t i = 0; i < inter; i++) {
-            const float g = bf16_to_f32(gate[i]);
-            const float s = round_bf16(silu(g));
-            dst[i] = f32_to_bf16(s * bf16_to_f32(up[i]));
-        }
+        silu_mul_row_bf16(gate, gate + inter, out + r * inter, inter);
     }
 }
 

@@ -27,6 +27,7 @@ _SIGNATURES = {
     "gemm_bf16": (_I32, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
     "gemm_bf16_amx_built": (_I32, []),
     "gemm_bf16_amx": (_I32, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
+    "gemm_bf16_amx_silu": (_I32, [_P, _I64, _I64, _P, _I64, _P, _P, _I32]),
 }
 
 
@@ -153,4 +154,24 @@ def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, out_features: int,
     status = kernel(x.data_ptr(), rows, k, panels.data_ptr(), out_features,
                     None if bias is None else bias.data_ptr(), out.data_ptr(),
                     torch.get_num_threads())
+    return out if status == 0 else None
+
+
+def gemm_bf16_silu(x: torch.Tensor, panels: torch.Tensor, inter: int,
+                   bias: torch.Tensor | None) -> torch.Tensor | None:
+    """silu_mul(x [rows, in] times the panels of the MLP's [gate; up] weight, 2 * inter
+    outputs (+ bias)) -> [rows, inter] bf16 on AMX tiles in one pass: the bits of
+    gemm_bf16(..., tiles=True) then silu_mul, without the [rows, 2 * inter] product in
+    memory. None where it does not apply (no such build, dtypes, `in` not a multiple of 32,
+    inter not a multiple of 32, Linux refused the tile state)."""
+    lib = _library()
+    if (lib is None or x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_cpu
+            or x.shape[1] != 2 * panels.shape[1] or inter % 32
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))):
+        return None
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], inter, dtype=torch.bfloat16)
+    status = lib.gemm_bf16_amx_silu(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(),
+                                    inter, None if bias is None else bias.data_ptr(),
+                                    out.data_ptr(), torch.get_num_threads())
     return out if status == 0 else None

@@ -28,6 +28,7 @@
 
 #include "bf16.h"
 #include "prefetch.h"
+#include "silu.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define GEMM_BF16 1
@@ -128,6 +129,12 @@ static inline void store16(uint16_t *dst, int count, __m512 v, const uint16_t *b
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
     _mm256_mask_storeu_epi16(dst, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+}
+
+/* 16 outputs + bias as store16 rounds them, kept as float32 values. */
+static inline __m512 rounded16(__m512 v, const uint16_t *bias) {
+    if (bias) v = _mm512_add_ps(v, silu_from_bf16(_mm256_loadu_si256((const __m256i *)bias)));
+    return silu_from_bf16(silu_to_bf16(v));
 }
 #endif
 
@@ -243,13 +250,13 @@ static inline __attribute__((always_inline)) void tiles_block(
 }
 #endif
 
-/* gemm_bf16 on AMX tiles, on the same panels: each output one chain of tile dot products
- * over k in steps of 32 (so, like gemm_bf16, a row's bits do not depend on the other rows,
- * but they need not be gemm_bf16's bits). Returns -1 where the build has no tiles, Linux
- * refused the tile state, k is not a multiple of 32, or a buffer could not be had. */
-int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels, int64_t n,
-                  const uint16_t *bias, uint16_t *y, int num_threads) {
 #if GEMM_AMX
+/* gemm_bf16_amx, and with inter > 0 gemm_bf16_amx_silu: then n = 2 * inter, and each
+ * thread takes a gate pair q and its up pair q + inter / 32 for the same rows, so the two
+ * halves of an output meet in the epilogue. */
+static int tiles_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels,
+                      int64_t n, const uint16_t *bias, uint16_t *y, int num_threads,
+                      int64_t inter) {
     if (k % TILE_K != 0 || amx_permission() != 0) return -1;
     if (m <= 0 || n <= 0) return 0;
     const int64_t kp = k / 2, pairs = (n + PANELS * LANES - 1) / (PANELS * LANES);
@@ -282,7 +289,8 @@ int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panel
         #pragma omp for schedule(static) collapse(2)
         for (int64_t b = 0; b < blocks; b++)
             for (int64_t s = 0; s < steps; s++) tile_x(x, m, k, xt, b, s);
-        float acc[2 * TILE_ROWS * PANELS * LANES] __attribute__((aligned(64)));
+        float acc[2][2 * TILE_ROWS * PANELS * LANES] __attribute__((aligned(64)));
+        const int64_t runs = inter ? inter / (PANELS * LANES) : pairs, halves = inter ? 2 : 1;
         amx_configure_full_tiles();
         for (int64_t m0 = 0; m0 < m; m0 += rows_chunk) {
             const int64_t m1 = m0 + rows_chunk < m ? m0 + rows_chunk : m;
@@ -290,26 +298,46 @@ int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panel
                 const int64_t s0 = k0 / TILE_K, ns = (k - k0 < kc ? k - k0 : kc) / TILE_K;
                 const int last = k0 + kc >= k;
                 #pragma omp for schedule(static)
-                for (int64_t q = 0; q < pairs; q++) {
-                    const uint16_t *w = panels + q * PANELS * panel_elems + s0 * TILE_K * LANES;
+                for (int64_t run = 0; run < runs; run++) {
                     for (int64_t r0 = m0; r0 < m1; r0 += 2 * TILE_ROWS) {
                         const uint16_t *a0 = xt + ((r0 / TILE_ROWS) * steps + s0) * TILE_ELEMS;
                         const uint16_t *a1 = a0 + steps * TILE_ELEMS;
-                        float *cq = c ? c + (r0 - m0) * ldc + q * PANELS * LANES : acc;
-                        const int64_t ldq = c ? ldc : PANELS * LANES;
-                        if (r0 + TILE_ROWS < m1)
-                            tiles_block(1, a0, a1, w, panel_elems, ns, cq, ldq, k0 > 0);
-                        else
-                            tiles_block(0, a0, a1, w, panel_elems, ns, cq, ldq, k0 > 0);
+                        float *cq[2];
+                        int64_t ldq = PANELS * LANES;
+                        for (int half = 0; half < halves; half++) {
+                            const int64_t q = run + half * runs;  /* the up pair second */
+                            const uint16_t *w = panels + q * PANELS * panel_elems + s0 * TILE_K * LANES;
+                            cq[half] = c ? c + (r0 - m0) * ldc + q * PANELS * LANES : acc[half];
+                            ldq = c ? ldc : PANELS * LANES;
+                            if (r0 + TILE_ROWS < m1)
+                                tiles_block(1, a0, a1, w, panel_elems, ns, cq[half], ldq, k0 > 0);
+                            else
+                                tiles_block(0, a0, a1, w, panel_elems, ns, cq[half], ldq, k0 > 0);
+                        }
                         if (!last) continue;
                         const int rows = m1 - r0 < 2 * TILE_ROWS ? (int)(m1 - r0) : 2 * TILE_ROWS;
                         for (int h = 0; h < PANELS; h++) {
-                            const int64_t j0 = (q * PANELS + h) * LANES;
+                            const int64_t j0 = (run * PANELS + h) * LANES;
+                            if (inter) {
+                                /* gate and up rounded as gemm_bf16_amx stores them, then
+                                 * silu_mul_bf16's arithmetic (silu.h): the same bits. */
+                                for (int r = 0; r < rows; r++) {
+                                    const __m512 g = rounded16(
+                                        _mm512_load_ps(cq[0] + r * ldq + h * LANES),
+                                        bias ? bias + j0 : NULL);
+                                    const __m512 u = rounded16(
+                                        _mm512_load_ps(cq[1] + r * ldq + h * LANES),
+                                        bias ? bias + inter + j0 : NULL);
+                                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * inter + j0),
+                                                        silu_mul16_bf16(g, u));
+                                }
+                                continue;
+                            }
                             if (j0 >= n) break;
                             const int count = n - j0 < LANES ? (int)(n - j0) : LANES;
                             for (int r = 0; r < rows; r++)
                                 store16(y + (r0 + r) * n + j0, count,
-                                        _mm512_load_ps(cq + r * ldq + h * LANES),
+                                        _mm512_load_ps(cq[0] + r * ldq + h * LANES),
                                         bias ? bias + j0 : NULL);
                         }
                     }
@@ -321,8 +349,35 @@ int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panel
     free(c);
     free(xt);
     return 0;
+}
+#endif
+
+/* gemm_bf16 on AMX tiles, on the same panels: each output one chain of tile dot products
+ * over k in steps of 32 (so, like gemm_bf16, a row's bits do not depend on the other rows,
+ * but they need not be gemm_bf16's bits). Returns -1 where the build has no tiles, Linux
+ * refused the tile state, k is not a multiple of 32, or a buffer could not be had. */
+int gemm_bf16_amx(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels, int64_t n,
+                  const uint16_t *bias, uint16_t *y, int num_threads) {
+#if GEMM_AMX
+    return tiles_gemm(x, m, k, panels, n, bias, y, num_threads, 0);
 #else
     (void)x; (void)m; (void)k; (void)panels; (void)n; (void)bias; (void)y; (void)num_threads;
+    return -1;
+#endif
+}
+
+/* The MLP's gate_up matmul and silu_mul in one pass: y [m, inter] = silu_mul(x W^T + bias)
+ * for W = [gate; up] of 2 * inter outputs, bit for bit what gemm_bf16_amx then
+ * silu_mul_bf16 give, without writing and reading back the [m, 2 * inter] product.
+ * -1 as gemm_bf16_amx, or where inter is not a multiple of 32 (a panel pair). */
+int gemm_bf16_amx_silu(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels,
+                       int64_t inter, const uint16_t *bias, uint16_t *y, int num_threads) {
+#if GEMM_AMX
+    if (inter <= 0 || inter % (PANELS * LANES) != 0) return -1;
+    return tiles_gemm(x, m, k, panels, 2 * inter, bias, y, num_threads, inter);
+#else
+    (void)x; (void)m; (void)k; (void)panels; (void)inter; (void)bias; (void)y;
+    (void)num_threads;
     return -1;
 #endif
 }

@@ -205,3 +205,48 @@ def test_every_isa_builds_the_file(tmp_path, march, bf16, tiles):
     disassembly = disassemble("gemm_bf16.c", march, tmp_path)
     assert ("vdpbf16ps" in disassembly) == bf16
     assert ("tdpbf16ps" in disassembly) == tiles
+
+
+@needs_tiles
+@pytest.mark.parametrize("rows,k,inter", [
+    (2, 64, 32),         # the least: one row tile, one panel pair a half
+    (37, 576, 1536),     # SmolLM2's MLP, a ragged last row tile
+    (300, 2048, 8192),   # Llama-3.2-1B's, k split into blocks past 128 rows
+    (1100, 576, 1536),   # several row chunks
+])
+def test_gate_up_ends_in_silu_mul_with_the_same_bits(rows, k, inter):
+    # One pass on the tiles against the tiles' gate_up product, then silu_mul_bf16: the
+    # same bits, with and without a bias, at 1 and 2 threads.
+    x, weight, bias = _operands(rows, 2 * inter, k, seed=rows + k)
+    panels = cpu_gemm.pack_bf16(weight)
+    for b in (None, bias):
+        want = dispatch.silu_mul(cpu_gemm.gemm_bf16(x, panels, 2 * inter, b, tiles=True))
+        for threads in (1, 2):
+            with torch_threads(threads):
+                got = cpu_gemm.gemm_bf16_silu(x, panels, inter, b)
+            assert torch.equal(got, want), (threads, b is not None)
+
+
+@needs_tiles
+def test_gate_up_silu_declines_an_inter_off_the_panel_pairs():
+    x, weight, _ = _operands(4, 2 * 48, 64)
+    assert cpu_gemm.gemm_bf16_silu(x, cpu_gemm.pack_bf16(weight), 48, None) is None
+
+
+def test_dispatch_fuses_silu_mul_into_gate_up_exactly_on_amx_builds(monkeypatch):
+    x, weight, bias = _operands(8, 2 * 64, 64, seed=3)
+    prepared = dispatch.prepare_linear(weight, bias)
+    fused = []
+    kernel = cpu_gemm.gemm_bf16_silu
+    monkeypatch.setattr(cpu_gemm, "gemm_bf16_silu",
+                        lambda *args: fused.append(args[0].shape[0]) or kernel(*args))
+    got = dispatch.gate_up_silu(x, prepared)
+    torch.testing.assert_close(got.float(),
+                               dispatch.silu_mul(x @ weight.T + bias).float(), atol=0.1, rtol=0.05)
+    assert fused == ([8] if prepared.panels is not None and cpu_gemm.bf16_amx_built() else [])
+    # One row stays on the row kernels (the fused single-sequence step's bits), and
+    # batch-invariant weights never take the tiles.
+    fused.clear()
+    dispatch.gate_up_silu(x[:1], prepared)
+    dispatch.gate_up_silu(x, dispatch.prepare_linear(weight, bias, batch_invariant=True))
+    assert fused == []
