@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import random
 import sys
 import time
@@ -39,6 +40,7 @@ import torch
 from bench.peer_runs import (peer_label, run_hf_single, run_hf_static, run_llamacpp,
                              run_vllm)
 from engine import LLM, SamplingParams
+from engine.worker.cpu_threads import read_cpu_busy
 from engine.models import resolve_model_dir
 from engine.models.gguf_cache import default_gguf_path
 from kernels.cpu import features as cpu_features
@@ -73,6 +75,29 @@ def make_workload(name: str, tokenizer, seed: int = 0, count: int = 64) -> Workl
         prompts.append(tokenizer.encode(text)[:plen])
         outs.append(olen)
     return Workload(name, prompts, outs)
+
+
+def wait_until_quiet(max_wait_s: float = 20.0, window_s: float = 0.5,
+                     busy_below: float = 0.15) -> float:
+    """Wait (at most max_wait_s) until this process's CPUs were busy under `busy_below` of
+    a `window_s` window; returns the seconds waited. Each side starts on a quiet host: a
+    peer's processes can still be exiting when the next side starts, and the engine's
+    thread governor then runs its first second or two on fewer threads (the engine's
+    second rounds ran ~15% below its first, right after llama.cpp, and not when repeated
+    alone)."""
+    cpus = cpu_features.affinity_cpus()
+    start = time.monotonic()
+    before = read_cpu_busy(cpus)
+    while before is not None and time.monotonic() - start < max_wait_s:
+        time.sleep(window_s)
+        after = read_cpu_busy(cpus)
+        if after is None:
+            break
+        ticks = window_s * len(cpus) * os.sysconf("SC_CLK_TCK")
+        if (after - before) / ticks < busy_below:
+            break
+        before = after
+    return time.monotonic() - start
 
 
 def run_engine(llm: LLM, w: Workload, repeat: int) -> tuple[float, list[int]]:
@@ -274,6 +299,7 @@ def main() -> None:
 
     def peer_turn(name: str, w: Workload) -> None:
         for prefix, run in peers:
+            wait_until_quiet()
             r = run(w)
             label = peer_label(prefix, r, len(w.prompts))
             record(label, name, r["batch_tok_s"])
@@ -287,6 +313,7 @@ def main() -> None:
     for name in names:
         w = workload(name)
         for _ in range(args.rounds if peers else 1):
+            wait_until_quiet()
             ours, ids = run_engine(llm, w, args.repeat)
             record("engine", name, ours)
             if name == names[0]:

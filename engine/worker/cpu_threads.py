@@ -48,6 +48,15 @@ def read_self_ticks(path: str = "/proc/self/stat") -> int | None:
     return int(fields[11]) + int(fields[12])
 
 
+def read_running_tasks(path: str = "/proc/loadavg") -> int | None:
+    """Tasks runnable on the whole host right now (the caller included)."""
+    try:
+        with open(path, encoding="ascii") as loadavg:
+            return int(loadavg.read().split()[3].partition("/")[0])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 @dataclass
 class ThreadGovernor:
     """Call `update()` when the engine starts loading (the first sample), once it is
@@ -59,6 +68,7 @@ class ThreadGovernor:
     clock: Callable[[], float] = time.monotonic
     read_busy: Callable[[frozenset[int]], int | None] = read_cpu_busy
     read_self: Callable[[], int | None] = read_self_ticks
+    read_running: Callable[[], int | None] = read_running_tasks
     ticks_per_s: float = field(default_factory=lambda: float(os.sysconf("SC_CLK_TCK")))
     threads: int = 0
     _last: tuple[float, int, int] | None = None
@@ -98,6 +108,16 @@ class ThreadGovernor:
         long_window = now - last[0] >= 2 * self.interval_s
         if wanted == self.threads or (wanted != proposed and not long_window):
             return None
+        if long_window and wanted < self.threads and wanted != proposed:
+            # The idle spell's average may describe a neighbour that has since left (a
+            # benchmark's peer that just exited, a finished build): then the first second
+            # or two of the next burst ran on too few threads (the engine's rounds after
+            # a peer ran ~15% slower, 2 cores, AMX host). Act on it alone only while as
+            # many other tasks as the CPUs it would give up are runnable now.
+            running = self.read_running()
+            if running is not None and running - 1 < self.threads - wanted:
+                self._proposed = None
+                return None
         logger.info("CPU threads %d -> %d: other processes are using %.1f of our %d CPUs",
                     self.threads, wanted, others, len(self.cpus))
         self.threads = wanted

@@ -76,8 +76,8 @@ def prefill_attention_amx(query: torch.Tensor, key_cache: torch.Tensor,
     chunk i is query rows chunk_starts[i] .. + chunk_lens[i], the last chunk_lens[i] of its
     seq_lens[i] positions, over the context that block_tables[i] addresses (rows of `out`
     outside the chunks are left as they are). False where it does not apply (no such
-    build, dtypes, layout, head_dim not a multiple of 64, a GQA group over 16 heads);
-    `out` is then untouched."""
+    build, dtypes, layout, head_dim not a multiple of 64, a GQA group over 16 heads, a
+    block_size not a multiple of 16, lengths it cannot address); `out` is then untouched."""
     if not (prefill_amx_built() and query.is_cpu
             and query.dtype == key_cache.dtype == value_cache.dtype == out.dtype == torch.bfloat16
             and key_cache.is_contiguous() and value_cache.is_contiguous()
