@@ -138,7 +138,9 @@ static void attend(const job_t *job, int s, int h, int row0, int first, int num_
     int32_t pos[ROWS] __attribute__((aligned(64)));
     const uint16_t *qrow[ROWS];
     for (int r = 0; r < ROWS; r++) {
-        pos[r] = r < rows ? first + r / group : -1;  /* a pad lane sees no key */
+        /* A pad lane (past the item's rows) is masked near the diagonal and never
+         * written out; what it sums elsewhere is unused. */
+        pos[r] = r < rows ? first + r / group : -1;
         qrow[r] = job->query + ((int64_t)(row0 + r / group) * heads + h * group + r % group) * d;
     }
     /* Q^T: pairs of dims move as 32-bit words, 16 x 16 at a time. */
