@@ -21,7 +21,7 @@ static inline float silu(float g) {
     return g / (1.f + expf(-g));
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SILU_AVX512 1
 #include <immintrin.h>
 
