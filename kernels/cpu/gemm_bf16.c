@@ -306,7 +306,8 @@ static int tiles_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *p
                         int64_t ldq = PANELS * LANES;
                         for (int half = 0; half < halves; half++) {
                             const int64_t q = run + half * runs;  /* the up pair second */
-                            const uint16_t *w = panels + q * PANELS * panel_elems + s0 * TILE_K * LANES;
+                            const uint16_t *w =
+                                panels + q * PANELS * panel_elems + s0 * TILE_K * LANES;
                             cq[half] = c ? c + (r0 - m0) * ldc + q * PANELS * LANES : acc[half];
                             ldq = c ? ldc : PANELS * LANES;
                             if (r0 + TILE_ROWS < m1)
