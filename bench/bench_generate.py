@@ -81,10 +81,9 @@ def wait_until_quiet(max_wait_s: float = 20.0, window_s: float = 0.5,
                      busy_below: float = 0.15) -> float:
     """Wait (at most max_wait_s) until this process's CPUs were busy under `busy_below` of
     a `window_s` window; returns the seconds waited. Each side starts on a quiet host: a
-    peer's processes can still be exiting when the next side starts, and the engine's
-    thread governor then runs its first second or two on fewer threads (the engine's
-    second rounds ran ~15% below its first, right after llama.cpp, and not when repeated
-    alone)."""
+    peer's processes can still be exiting when the next side starts. (The engine's second
+    rounds ran ~15% below its first, right after a peer, until the thread governor stopped
+    acting on a neighbour that had left: engine/worker/cpu_threads.py.)"""
     cpus = cpu_features.affinity_cpus()
     start = time.monotonic()
     before = read_cpu_busy(cpus)
