@@ -1,6 +1,7 @@
-/* What every AMX kernel needs before its first tile instruction (linear_gguf_amx.c and
- * gemm_bf16.c): the kernel's grant of the tile state, and one tile configuration.
- * Include only where __AMX_TILE__ is defined.
+/* What every AMX kernel needs before its first tile instruction (linear_gguf_amx.c,
+ * gemm_bf16.c and prefill_attention_amx.c): the kernel's grant of the tile state, and one
+ * tile configuration; and the 16 x 16 dword transpose that lays data out as tiles (or
+ * back) in registers. Include only where __AMX_TILE__ is defined.
  */
 #ifndef TLE_AMX_H
 #define TLE_AMX_H
@@ -43,6 +44,34 @@ static inline void amx_configure_full_tiles(void) {
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
+}
+
+/* 16 vectors of 16 dwords, transposed in registers (r[i][j] -> r[j][i]). */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int g = 0; g < 4; g++) {
+        t[4 * g] = _mm512_unpacklo_epi32(r[4 * g], r[4 * g + 1]);
+        t[4 * g + 1] = _mm512_unpackhi_epi32(r[4 * g], r[4 * g + 1]);
+        t[4 * g + 2] = _mm512_unpacklo_epi32(r[4 * g + 2], r[4 * g + 3]);
+        t[4 * g + 3] = _mm512_unpackhi_epi32(r[4 * g + 2], r[4 * g + 3]);
+    }
+    for (int g = 0; g < 4; g++) {
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+    }
+    /* u[4g + j] holds, per 128-bit lane l, column j + 4l of rows 4g..4g+3. */
+    for (int j = 0; j < 4; j++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
+        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
+        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
+        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+        r[j + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+        r[j + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+    }
 }
 
 #endif

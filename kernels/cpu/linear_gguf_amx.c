@@ -39,34 +39,6 @@ enum { NB = 32,      /* rows of W a thread widens at once: two A tiles */
        MB = 16,      /* rows of x in one B tile */
        KS = 32 };    /* k per tile step: 16 pairs, 64 bytes a tile row */
 
-/* 16 vectors of 16 dwords, transposed in registers (r[i][j] -> r[j][i]). */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16], u[16];
-    for (int g = 0; g < 4; g++) {
-        t[4 * g] = _mm512_unpacklo_epi32(r[4 * g], r[4 * g + 1]);
-        t[4 * g + 1] = _mm512_unpackhi_epi32(r[4 * g], r[4 * g + 1]);
-        t[4 * g + 2] = _mm512_unpacklo_epi32(r[4 * g + 2], r[4 * g + 3]);
-        t[4 * g + 3] = _mm512_unpackhi_epi32(r[4 * g + 2], r[4 * g + 3]);
-    }
-    for (int g = 0; g < 4; g++) {
-        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-    }
-    /* u[4g + j] holds, per 128-bit lane l, column j + 4l of rows 4g..4g+3. */
-    for (int j = 0; j < 4; j++) {
-        const __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x88);
-        const __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xdd);
-        const __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x88);
-        const __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xdd);
-        r[j] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-        r[j + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-        r[j + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-        r[j + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-    }
-}
-
 /* 32 k of row m of x as 16 bf16 pairs (float32 x rounds to nearest even, as torch does). */
 static inline __m512i load_pairs(const void *x, int x_bf16, int64_t m, int64_t k, int64_t k0) {
     if (x_bf16) return _mm512_loadu_si512((const uint16_t *)x + m * k + k0);

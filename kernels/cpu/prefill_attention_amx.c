@@ -73,33 +73,6 @@ static void pack_v(const job_t *job, int s, int h, int64_t k0, int64_t k1) {
     }
 }
 
-/* r[0..15] <- its transpose, 16 x 16 32-bit elements (unpacks, then 128-bit lane shuffles). */
-static inline void transpose16(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int i = 0; i < 4; i++) {
-        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
-        t[i + 4] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
-        t[i + 8] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
-        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
-    }
-    for (int i = 0; i < 4; i++) {
-        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0x88);
-        r[i + 4] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0x88);
-        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 4], 0xDD);
-        r[i + 12] = _mm512_shuffle_i32x4(t[i + 8], t[i + 12], 0xDD);
-    }
-}
-
 /* 2^x for x <= 0: 2^n * 2^f with f in [-1/2, 1/2], 2^f by the Taylor series of
  * exp(f ln 2) to the 5th power (relative error under 2e-6; P is then rounded to bf16).
  * Very negative x (masked scores, the first block's old max) gives exactly 0. */
