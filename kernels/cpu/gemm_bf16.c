@@ -121,20 +121,14 @@ static void pair_any(int rows, const uint16_t *x, int64_t k, int64_t kp, const u
  * rounds (bf16.h's nearest-even, lane by lane). */
 static inline void store16(uint16_t *dst, int count, __m512 v, const uint16_t *bias) {
     const __mmask16 keep = (__mmask16)((1u << count) - 1u);
-    if (bias) {
-        const __m512i b = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, bias));
-        v = _mm512_add_ps(v, _mm512_castsi512_ps(_mm512_slli_epi32(b, 16)));
-    }
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-    _mm256_mask_storeu_epi16(dst, keep, _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16)));
+    if (bias) v = _mm512_add_ps(v, bf16x16_widen(_mm256_maskz_loadu_epi16(keep, bias)));
+    _mm256_mask_storeu_epi16(dst, keep, bf16x16_round(v));
 }
 
 /* 16 outputs + bias as store16 rounds them, kept as float32 values. */
 static inline __m512 rounded16(__m512 v, const uint16_t *bias) {
-    if (bias) v = _mm512_add_ps(v, silu_from_bf16(_mm256_loadu_si256((const __m256i *)bias)));
-    return silu_from_bf16(silu_to_bf16(v));
+    if (bias) v = _mm512_add_ps(v, bf16x16_widen(_mm256_loadu_si256((const __m256i *)bias)));
+    return bf16x16_widen(bf16x16_round(v));
 }
 #endif
 

@@ -46,24 +46,12 @@ static inline __m512 silu_exp512(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* Nearest-even to bf16 lane by lane, as bf16.h's f32_to_bf16: the 16 bf16 results. */
-static inline __m256i silu_to_bf16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
-}
-
-static inline __m512 silu_from_bf16(__m256i h) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* bf16(bf16(silu(g)) * u) for 16 lanes of g and u (bf16 values held as float32). */
 static inline __m256i silu_mul16_bf16(__m512 g, __m512 u) {
     g = _mm512_max_ps(g, _mm512_set1_ps(-88.f));
     const __m512 e = silu_exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
     const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-    return silu_to_bf16(_mm512_mul_ps(silu_from_bf16(silu_to_bf16(s)), u));
+    return bf16x16_round(_mm512_mul_ps(bf16x16_widen(bf16x16_round(s)), u));
 }
 #else
 #define SILU_AVX512 0
@@ -75,8 +63,8 @@ static inline void silu_mul_row_bf16(const uint16_t *gate, const uint16_t *up, u
 #if SILU_AVX512
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 keep = n - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - i)) - 1u);
-        const __m512 g = silu_from_bf16(_mm256_maskz_loadu_epi16(keep, gate + i));
-        const __m512 u = silu_from_bf16(_mm256_maskz_loadu_epi16(keep, up + i));
+        const __m512 g = bf16x16_widen(_mm256_maskz_loadu_epi16(keep, gate + i));
+        const __m512 u = bf16x16_widen(_mm256_maskz_loadu_epi16(keep, up + i));
         _mm256_mask_storeu_epi16(dst + i, keep, silu_mul16_bf16(g, u));
     }
 #else
