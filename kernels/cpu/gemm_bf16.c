@@ -297,13 +297,12 @@ static int tiles_gemm(const uint16_t *x, int64_t m, int64_t k, const uint16_t *p
                         const uint16_t *a0 = xt + ((r0 / TILE_ROWS) * steps + s0) * TILE_ELEMS;
                         const uint16_t *a1 = a0 + steps * TILE_ELEMS;
                         float *cq[2];
-                        int64_t ldq = PANELS * LANES;
+                        const int64_t ldq = c ? ldc : PANELS * LANES;
                         for (int half = 0; half < halves; half++) {
                             const int64_t q = run + half * runs;  /* the up pair second */
                             const uint16_t *w =
                                 panels + q * PANELS * panel_elems + s0 * TILE_K * LANES;
                             cq[half] = c ? c + (r0 - m0) * ldc + q * PANELS * LANES : acc[half];
-                            ldq = c ? ldc : PANELS * LANES;
                             if (r0 + TILE_ROWS < m1)
                                 tiles_block(1, a0, a1, w, panel_elems, ns, cq[half], ldq, k0 > 0);
                             else
