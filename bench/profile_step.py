@@ -17,6 +17,7 @@ thread waits, and only the wall clock sees that (it also sees the host's other l
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -95,16 +96,23 @@ def _linear_part(timer: PartTimer) -> str:
     return "matmul lm_head" if timer.stack and timer.stack[-1][0] == "logits" else "matmul"
 
 
+def _wrap_dispatch(name: str, wrapper) -> None:
+    # The engine calls kernels.dispatch.NAME; dispatch's own modules call one another by
+    # their module's name (gate_up_silu -> linear, silu_mul): both must see the wrapper.
+    module = sys.modules[getattr(dispatch, name).__module__]
+    setattr(dispatch, name, wrapper)
+    setattr(module, name, wrapper)
+
+
 def install(timer: PartTimer) -> None:
     """Wrap the parts of a step; the wrappers call the real functions unchanged."""
     w = timer.wrap
-    dispatch.linear = w(_linear_part, dispatch.linear)
+    _wrap_dispatch("linear", w(_linear_part, dispatch.linear))
     # The MLP's gate_up matmul ending in silu_mul (AMX tiles); where it does not fuse, its
     # two halves land under "matmul" and "silu_mul" as before.
-    dispatch.gate_up_silu = w("matmul gate_up+silu", dispatch.gate_up_silu)
-    for module, name in ((dispatch, "add_rms_norm"), (dispatch, "silu_mul"),
-                         (dispatch, "rope"), (dispatch, "argmax_rows")):
-        setattr(module, name, w(name, getattr(module, name)))
+    _wrap_dispatch("gate_up_silu", w("matmul gate_up+silu", dispatch.gate_up_silu))
+    for name in ("add_rms_norm", "silu_mul", "rope", "argmax_rows"):
+        _wrap_dispatch(name, w(name, getattr(dispatch, name)))
     model_attention.paged_attention = w("attention", model_attention.paged_attention)
     model_attention.reshape_and_cache = w("kv write", model_attention.reshape_and_cache)
     model_rope.RotaryEmbedding.lookup = w("rope", model_rope.RotaryEmbedding.lookup)
@@ -120,7 +128,7 @@ def install(timer: PartTimer) -> None:
         timer.tokens[timer.kind] += out.total_num_scheduled_tokens
         return result
 
-    dispatch.lora_add = w("lora update", dispatch.lora_add)
+    _wrap_dispatch("lora_add", w("lora update", dispatch.lora_add))
     LoRALinear.forward = w("model (python)", LoRALinear.forward)
     LoRARuntime.set_step = w("lora plan", LoRARuntime.set_step)
     ModelRunner._prepare = w("input prep", prepare_and_classify)

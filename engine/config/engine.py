@@ -55,7 +55,7 @@ class EngineConfig:
     # offsets their ports. Set by the backend, not by users.
     data_parallel_rank: int = 0
     # vLLM's VLLM_BATCH_INVARIANT as an argument: a request's tokens and logprobs do not
-    # depend on the rest of the batch, its chunking or prefix hits (kernels/dispatch.py
+    # depend on the rest of the batch, its chunking or prefix hits (kernels/dispatch/
     # picks kernels whose reduction order is fixed per row). CPU only.
     batch_invariant: bool = False
 

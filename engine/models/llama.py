@@ -174,7 +174,7 @@ class LlamaForCausalLM(nn.Module):
         the CPU, oneDNN's blocked copies). Must run after load_weights and sharding:
         packed copies do not track edits. `batch_invariant`: every matmul, norm and
         attention takes the kernels whose per-row results do not depend on the batch
-        (kernels/dispatch.py); the fused single-sequence decode runs those same kernels."""
+        (kernels/dispatch/); the fused single-sequence decode runs those same kernels."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_invariant)

@@ -1,4 +1,4 @@
-"""The batch-invariant kernels (kernels/dispatch.py, batch_invariant): a row's result is
+"""The batch-invariant kernels (kernels/dispatch/, batch_invariant): a row's result is
 bit-equal whatever rows come with it, and still the right value (float64 references)."""
 import pytest
 import torch

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernels import dispatch, torch_ops
+from kernels.dispatch import attention as attention_dispatch
 from kernels.cpu import paged_attention as cpu_attention
 from kernels.cpu.paged_attention import paged_attention, paged_attention_f32
 from testing.paged_batch import dense_attention, make_paged_batch
@@ -104,7 +105,8 @@ def test_dispatch_runs_prefill_steps_here_and_batch_invariant_mode_elsewhere(mon
     batch = make_paged_batch(SEQ_LENS, QUERY_LENS, 9, 3, 64, 16, dtype=dtype, seed=4)
     # Where the AMX prefill kernel is built it takes bf16 chunks from 16 x 64 positions
     # (test_prefill_attention_amx.py); the tiles' own limit there is 64 x 64.
-    monkeypatch.setattr(dispatch, "BF16_AMX_PREFILL_MIN_WORK", dispatch.BF16_AMX_TILE_MAX_WORK)
+    monkeypatch.setattr(attention_dispatch, "BF16_AMX_PREFILL_MIN_WORK",
+                        attention_dispatch.BF16_AMX_TILE_MAX_WORK)
     calls = []
 
     def tiles(*args):
@@ -141,8 +143,8 @@ def test_dispatch_sends_chunks_past_the_tile_limit_to_sdpa(monkeypatch):
     # chunks go to the AMX prefill kernel (test_prefill_attention_amx.py), SDPA where it
     # declines, as here.
     batch = make_paged_batch([300, 9], [300, 1], 9, 3, 64, 16, dtype=torch.bfloat16, seed=6)
-    monkeypatch.setattr(dispatch, "_tile_max_work", lambda dtype: 1000)
-    monkeypatch.setattr(dispatch, "_cpu_prefill", lambda dtype: None)
+    monkeypatch.setattr(attention_dispatch, "_tile_max_work", lambda dtype: 1000)
+    monkeypatch.setattr(attention_dispatch, "_cpu_prefill", lambda dtype: None)
     monkeypatch.setattr(cpu_attention, "paged_attention", lambda *args: pytest.fail("tiles"))
     sdpa = []
     prefill = torch_ops.prefill_attention
