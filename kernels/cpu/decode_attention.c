@@ -112,84 +112,110 @@ static inline __attribute__((always_inline)) void run_item_d(const job_t *job, i
     }
 }
 
-/* ---- the vector path: head_dim a multiple of 32 (<= 128), <= 8 query heads a KV head ----
+/* ---- the vector path: head_dim a multiple of 2 * VL (<= 128), <= 8 query heads a KV head ----
  * The per-lane loop above converts a block to float32 in a stack buffer and sums each
  * score on its own; on one Sapphire Rapids core it read 8 GB/s of bf16 KV. Here each
- * K/V row is widened in registers, a query group's partial dot products for 16 tokens
- * are reduced together (one butterfly, not 16 horizontal sums), a (block, KV head)'s
+ * K/V row is widened in registers, a query group's partial dot products for VL tokens
+ * are reduced together (one butterfly, not VL horizontal sums), a (block, KV head)'s
  * accumulators stay in registers, and the next block is prefetched a row at a time
  * between the arithmetic: 1.5-1.9x the per-lane loop on one core (docs/BENCHMARKS.md).
- * 16 lanes are one zmm on AVX-512 builds, two ymm on AVX2 builds. A sequence is still
- * one work item summed in one order, so its result does not depend on the batch. */
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+ * VL is the build's vector: 16 lanes (one zmm) on AVX-512 builds, 8 (one ymm) elsewhere.
+ * AVX2 builds had run 16 lanes as pairs of ymm, whose 32-wide shuffles and spilled
+ * accumulators made the path 1.7-2.3x slower than the per-lane loop (one core, the same
+ * Sapphire Rapids capped to AVX2). A sequence is still one work item summed in one
+ * order, so its result does not depend on the batch. */
+#if defined(__AVX512F__)
+#define VL 16
+#else
+#define VL 8
+#endif
+typedef float vf __attribute__((vector_size(VL * 4)));
+typedef int32_t vi __attribute__((vector_size(VL * 4)));
+typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 
 #define NEG_LARGE (-1e30f)
 /* fixed bounds, not VLAs: gcc saves and restores the stack pointer around a VLA in a
  * loop body, and keeps its elements in memory */
 #define VEC_MAX_GROUP 8
-#define VEC_MAX_DV 8  /* head_dim <= 128 */
+#define VEC_MAX_DV (128 / VL)  /* head_dim <= 128 */
 
-/* dv vectors of a row of dv * 16 values. bf16: each 32 values are one 64-byte load
+/* dv vectors of a row of dv * VL values. bf16: each 2 * VL values are one vector load
  * whose even elements (low halves) widen by a shift and odd ones (high halves) by a
- * mask, so vector 2p holds dims 32p, 32p+2, ... and 2p+1 holds 32p+1, 32p+3, ...: no
+ * mask, so vector 2p holds dims 2VLp, 2VLp+2, ... and 2p+1 the odd ones: no
  * cross-lane widening (port 5, shared with the butterfly's shuffles). q, K and V are
  * all read this way, so dot products and the accumulators see one consistent order,
  * undone when the output is written. float32: plain order. */
 static inline __attribute__((always_inline)) void load_vectors(const void *base, int64_t offset,
-                                                         int is_bf16, const int dv, v16f *out) {
+                                                         int is_bf16, const int dv, vf *out) {
     for (int p = 0; p < dv / 2; p++) {
         if (is_bf16) {
-            v16u x;
-            memcpy(&x, (const uint16_t *)base + offset + 32 * p, sizeof x);
-            out[2 * p] = (v16f)(x << 16);
-            out[2 * p + 1] = (v16f)(x & 0xFFFF0000u);
+            vu x;
+            memcpy(&x, (const uint16_t *)base + offset + 2 * VL * p, sizeof x);
+            out[2 * p] = (vf)(x << 16);
+            out[2 * p + 1] = (vf)(x & 0xFFFF0000u);
         } else {
-            memcpy(&out[2 * p], (const float *)base + offset + 32 * p, sizeof out[0]);
-            memcpy(&out[2 * p + 1], (const float *)base + offset + 32 * p + 16, sizeof out[0]);
+            memcpy(&out[2 * p], (const float *)base + offset + 2 * VL * p, sizeof out[0]);
+            memcpy(&out[2 * p + 1], (const float *)base + offset + 2 * VL * p + VL,
+                   sizeof out[0]);
         }
     }
 }
 
-static inline __attribute__((always_inline)) v16f pair_sum(v16f a, v16f b, v16i even, v16i odd) {
+static inline __attribute__((always_inline)) vf pair_sum(vf a, vf b, vi even, vi odd) {
     return __builtin_shuffle(a, b, even) + __builtin_shuffle(a, b, odd);
 }
 
-/* 16 vectors of 16 partial sums -> one vector whose lane t is the sum of part[t]. Each
- * level adds neighbouring lane groups of two vectors into one (8 + 4 + 2 + 1 adds). */
-static inline __attribute__((always_inline)) v16f transpose_sum16(const v16f part[16]) {
-    const v16i e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-    const v16i o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
-    const v16i e2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-    const v16i o2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
-    const v16i e3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-    const v16i o3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
-    const v16i e4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const v16i o4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
-    v16f c[8], e[4], g[2];
+/* VL vectors of VL partial sums -> one vector whose lane t is the sum of part[t]. Each
+ * level adds neighbouring lane groups of two vectors into one (8 + 4 + 2 + 1 adds at 16
+ * lanes, 4 + 2 + 1 at 8). */
+#if VL == 16
+static inline __attribute__((always_inline)) vf transpose_sum(const vf part[16]) {
+    const vi e1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+    const vi o1 = {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31};
+    const vi e2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+    const vi o2 = {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31};
+    const vi e3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+    const vi o3 = {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31};
+    const vi e4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const vi o4 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    vf c[8], e[4], g[2];
     for (int i = 0; i < 8; i++) c[i] = pair_sum(part[2 * i], part[2 * i + 1], e1, o1);
     for (int i = 0; i < 4; i++) e[i] = pair_sum(c[2 * i], c[2 * i + 1], e2, o2);
     for (int i = 0; i < 2; i++) g[i] = pair_sum(e[2 * i], e[2 * i + 1], e3, o3);
     return pair_sum(g[0], g[1], e4, o4);
 }
+#else
+static inline __attribute__((always_inline)) vf transpose_sum(const vf part[8]) {
+    const vi e1 = {0, 8, 2, 10, 4, 12, 6, 14}, o1 = {1, 9, 3, 11, 5, 13, 7, 15};
+    const vi e2 = {0, 1, 8, 9, 4, 5, 12, 13}, o2 = {2, 3, 10, 11, 6, 7, 14, 15};
+    const vi e3 = {0, 1, 2, 3, 8, 9, 10, 11}, o3 = {4, 5, 6, 7, 12, 13, 14, 15};
+    vf c[4], e[2];
+    for (int i = 0; i < 4; i++) c[i] = pair_sum(part[2 * i], part[2 * i + 1], e1, o1);
+    for (int i = 0; i < 2; i++) e[i] = pair_sum(c[2 * i], c[2 * i + 1], e2, o2);
+    return pair_sum(e[0], e[1], e3, o3);
+}
+#endif
 
 /* One sequence. For each block and KV head: the `group` query heads' scores for up to
- * 16 tokens at a time, an online-softmax update, then V. Inlined with constant group
- * and dv (head_dim / 16) for the common shapes, so q and the accumulators are registers. */
+ * VL tokens at a time, an online-softmax update, then V. Inlined with constant group
+ * and dv (head_dim / VL) for the common shapes, so q and the accumulators are registers. */
 static inline __attribute__((always_inline)) void run_item_vec(const job_t *job, int64_t seq,
                                                                const int group, const int dv) {
     const int kvh = job->num_kv_heads, bs = job->block_size, heads = job->num_heads;
-    const int d = dv * 16, row = kvh * d, is_bf16 = job->is_bf16;
+    const int d = dv * VL, row = kvh * d, is_bf16 = job->is_bf16;
     const int len = job->seq_lens[seq];
     const int32_t *table = job->block_tables + seq * job->max_blocks;
     const int elem = is_bf16 ? 2 : 4;
-    const v16i lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#if VL == 16
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#else
+    const vi lane = {0, 1, 2, 3, 4, 5, 6, 7};
+#endif
 
-    v16f acc_all[heads][dv];
+    vf acc_all[heads][dv];
     float row_max[heads], row_sum[heads];
     for (int h = 0; h < heads; h++) {
-        for (int j = 0; j < dv; j++) acc_all[h][j] = (v16f){0};
+        for (int j = 0; j < dv; j++) acc_all[h][j] = (vf){0};
         row_max[h] = NEG_LARGE;
         row_sum[h] = 0.f;
     }
@@ -198,7 +224,7 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
         const int has_next = start + bs < len;
         const int64_t next = has_next ? (int64_t)table[start / bs + 1] * bs * row : 0;
         for (int kh = 0; kh < kvh; kh++) {
-            v16f q[VEC_MAX_GROUP][VEC_MAX_DV], acc[VEC_MAX_GROUP][VEC_MAX_DV];
+            vf q[VEC_MAX_GROUP][VEC_MAX_DV], acc[VEC_MAX_GROUP][VEC_MAX_DV];
             for (int g = 0; g < group; g++) {
                 const int h = kh * group + g;
                 load_vectors(job->query, (seq * heads + h) * d, is_bf16, dv, q[g]);
@@ -207,23 +233,23 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                     acc[g][j] = acc_all[h][j];
                 }
             }
-            for (int c = 0; c < bs && start + c < len; c += 16) {
-                int n = len - start - c;  /* tokens in this chunk: <= 16, in the block */
-                n = n < 16 ? n : 16;
+            for (int c = 0; c < bs && start + c < len; c += VL) {
+                int n = len - start - c;  /* tokens in this chunk: <= VL, in the block */
+                n = n < VL ? n : VL;
                 n = n < bs - c ? n : bs - c;
                 const int64_t chunk = base + (int64_t)c * row + kh * d;
-                v16f part[VEC_MAX_GROUP][16];
-                for (int t = 0; t < 16; t++) {
+                vf part[VEC_MAX_GROUP][VL];
+                for (int t = 0; t < VL; t++) {
                     if (t < n) {
-                        v16f k[VEC_MAX_DV];
+                        vf k[VEC_MAX_DV];
                         load_vectors(job->key_cache, chunk + (int64_t)t * row, is_bf16, dv, k);
                         for (int g = 0; g < group; g++) {
-                            v16f s = q[g][0] * k[0];
+                            vf s = q[g][0] * k[0];
                             for (int j = 1; j < dv; j++) s += q[g][j] * k[j];
                             part[g][t] = s;
                         }
                     } else {
-                        for (int g = 0; g < group; g++) part[g][t] = (v16f){0};
+                        for (int g = 0; g < group; g++) part[g][t] = (vf){0};
                     }
                     if (has_next && t < bs - c) {
                         /* this row's K and V lines of the next block, for this KV head,
@@ -237,21 +263,21 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                         }
                     }
                 }
-                float p[VEC_MAX_GROUP][16];
-                const v16i valid = lane < (v16i){0} + n;
+                float p[VEC_MAX_GROUP][VL];
+                const vi valid = lane < (vi){0} + n;
                 for (int g = 0; g < group; g++) {
                     const int h = kh * group + g;
-                    v16f s = transpose_sum16(part[g]);
-                    s = (v16f)(((v16i)s & valid) | ((v16i)((v16f){0} + NEG_LARGE) & ~valid));
+                    vf s = transpose_sum(part[g]);
+                    s = (vf)(((vi)s & valid) | ((vi)((vf){0} + NEG_LARGE) & ~valid));
                     /* through memory: gcc vectorizes (libmvec's expf) loops over arrays,
                      * not over a vector's elements */
                     float *pg = p[g];
                     memcpy(pg, &s, sizeof s);
                     float m = row_max[h];
-                    for (int t = 0; t < 16; t++) m = pg[t] > m ? pg[t] : m;
+                    for (int t = 0; t < VL; t++) m = pg[t] > m ? pg[t] : m;
                     float sum = 0.f;
                     #pragma omp simd reduction(+:sum)
-                    for (int t = 0; t < 16; t++) { pg[t] = expf(pg[t] - m); sum += pg[t]; }
+                    for (int t = 0; t < VL; t++) { pg[t] = expf(pg[t] - m); sum += pg[t]; }
                     /* nothing to correct on the first scores (expf's underflow is slow) */
                     const float correction = row_max[h] == NEG_LARGE ? 0.f : expf(row_max[h] - m);
                     row_max[h] = m;
@@ -259,7 +285,7 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                     for (int j = 0; j < dv; j++) acc[g][j] *= correction;
                 }
                 for (int t = 0; t < n; t++) {
-                    v16f v[VEC_MAX_DV];
+                    vf v[VEC_MAX_DV];
                     load_vectors(job->value_cache, chunk + (int64_t)t * row, is_bf16, dv, v);
                     #pragma GCC unroll 8
                     for (int g = 0; g < group; g++) {
@@ -278,30 +304,30 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
         if (is_bf16) {
             uint16_t *dst = (uint16_t *)job->out + offset;
             for (int p = 0; p < dv / 2; p++) {
-                const v16f even = acc_all[h][2 * p] * inv, odd = acc_all[h][2 * p + 1] * inv;
-                for (int i = 0; i < 16; i++) {
-                    dst[32 * p + 2 * i] = f32_to_bf16(even[i]);
-                    dst[32 * p + 2 * i + 1] = f32_to_bf16(odd[i]);
+                const vf even = acc_all[h][2 * p] * inv, odd = acc_all[h][2 * p + 1] * inv;
+                for (int i = 0; i < VL; i++) {
+                    dst[2 * VL * p + 2 * i] = f32_to_bf16(even[i]);
+                    dst[2 * VL * p + 2 * i + 1] = f32_to_bf16(odd[i]);
                 }
             }
         } else {
             for (int j = 0; j < dv; j++) {
-                const v16f o = acc_all[h][j] * inv;
-                memcpy((float *)job->out + offset + j * 16, &o, sizeof o);
+                const vf o = acc_all[h][j] * inv;
+                memcpy((float *)job->out + offset + j * VL, &o, sizeof o);
             }
         }
     }
 }
 
-#define VEC_CASE(G, DV) if (group == G && dv == DV) { run_item_vec(job, seq, G, DV); return; }
+#define VEC_CASE(G, D) if (group == G && dv == D / VL) { run_item_vec(job, seq, G, D / VL); return; }
 
 static void run_item(const job_t *job, int64_t seq) {
-    const int group = job->num_heads / job->num_kv_heads, dv = job->head_dim / 16;
-    if (job->head_dim % 32 == 0 && group <= VEC_MAX_GROUP && dv <= VEC_MAX_DV) {
-        /* SmolLM2 (3, 4), Llama-3.2-1B/3B (4, 4 / 3, 8), Llama-3-8B (4, 8), MHA */
-        VEC_CASE(1, 4) VEC_CASE(2, 4) VEC_CASE(3, 4) VEC_CASE(4, 4) VEC_CASE(8, 4)
-        VEC_CASE(1, 8) VEC_CASE(2, 8) VEC_CASE(3, 8) VEC_CASE(4, 8) VEC_CASE(7, 8)
-        VEC_CASE(8, 8)
+    const int group = job->num_heads / job->num_kv_heads, dv = job->head_dim / VL;
+    if (job->head_dim % (2 * VL) == 0 && group <= VEC_MAX_GROUP && dv <= VEC_MAX_DV) {
+        /* SmolLM2 (3, 64), Llama-3.2-1B/3B (4, 64 / 3, 128), Llama-3-8B (4, 128), MHA */
+        VEC_CASE(1, 64) VEC_CASE(2, 64) VEC_CASE(3, 64) VEC_CASE(4, 64) VEC_CASE(8, 64)
+        VEC_CASE(1, 128) VEC_CASE(2, 128) VEC_CASE(3, 128) VEC_CASE(4, 128) VEC_CASE(7, 128)
+        VEC_CASE(8, 128)
         run_item_vec(job, seq, group, dv);
         return;
     }

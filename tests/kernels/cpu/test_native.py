@@ -36,11 +36,14 @@ def test_matches_torch_decode(dtype, tol, num_heads, num_kv_heads, head_dim, blo
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 2, 64), (4, 2, 80), (4, 4, 48)])
-def test_shapes_outside_the_vector_path_match_torch_decode(dtype, tol, num_heads, num_kv_heads,
-                                                             head_dim):
-    """The vector path takes head_dim a multiple of 32 (<= 128) and <= 8 query heads per KV
-    head; these shapes (16 per KV head, head_dim 80 and 48) run the per-lane loop."""
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
+                         [(32, 2, 64), (4, 2, 80), (4, 4, 48), (6, 2, 40), (2, 1, 160)])
+def test_uncommon_shapes_match_torch_decode(dtype, tol, num_heads, num_kv_heads, head_dim):
+    """The vector path takes head_dim a multiple of two vectors (32 on AVX-512 builds, 16
+    on the others; <= 128) and <= 8 query heads per KV head, its common shapes compiled
+    apart. 16 heads per KV head and head_dim 40 and 160 run the per-lane loop on every
+    build; 80 and 48 run it on AVX-512 builds and the vector path's generic case on the
+    others."""
     seq_lens = [1, 16, 33, 77]
     batch = make_paged_batch(seq_lens, [1] * len(seq_lens), num_heads, num_kv_heads, head_dim,
                              16, dtype=dtype, seed=head_dim)
