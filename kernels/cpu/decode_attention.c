@@ -121,9 +121,9 @@ static inline __attribute__((always_inline)) void run_item_d(const job_t *job, i
  * between the arithmetic: 1.5-1.9x the per-lane loop on one core (docs/BENCHMARKS.md).
  * VL is the build's vector: 16 lanes (one zmm) on AVX-512 builds, 8 (one ymm) elsewhere.
  * AVX2 builds had run 16 lanes as pairs of ymm, whose 32-wide shuffles and spilled
- * accumulators made the path 1.7-2.3x slower than the per-lane loop (one core, the same
- * Sapphire Rapids capped to AVX2). A sequence is still one work item summed in one
- * order, so its result does not depend on the batch. */
+ * accumulators made the path 1.7-2.3x slower than the per-lane loop; at 8 lanes it runs
+ * 2.4-2.9x the pairs (one core of a Sapphire Rapids capped to AVX2). A sequence is still
+ * one work item summed in one order, so its result does not depend on the batch. */
 #if defined(__AVX512F__)
 #define VL 16
 #else
@@ -319,7 +319,8 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
     }
 }
 
-#define VEC_CASE(G, D) if (group == G && dv == D / VL) { run_item_vec(job, seq, G, D / VL); return; }
+#define VEC_CASE(G, D) \
+    if (group == G && dv == D / VL) { run_item_vec(job, seq, G, D / VL); return; }
 
 static void run_item(const job_t *job, int64_t seq) {
     const int group = job->num_heads / job->num_kv_heads, dv = job->head_dim / VL;

@@ -57,8 +57,9 @@ void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *out, int num_thr
 }
 
 /* rows (<= MR) rows of x from a, times one panel b -> cols (<= NR) outputs of each row.
- * Meanwhile pf_bytes from pf are fetched into L2, a line every few k steps (a burst of
- * prefetches would stall on the line fill buffers). */
+ * Meanwhile pf_bytes from pf are fetched into L2, a line every few k steps: the same
+ * lines asked for in one burst before the tile gained a third as much (the burst waits
+ * on the core's few outstanding-miss slots). */
 static void tile(const float *a, int64_t k, const float *b, const float *bias, float *c,
                  int64_t ldc, int rows, int cols, const char *pf, int64_t pf_bytes) {
     float out[MR][NR];
@@ -73,31 +74,32 @@ static void tile(const float *a, int64_t k, const float *b, const float *bias, f
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c10 = c00, c11 = c00, c20 = c00, c21 = c00;
     __m256 c30 = c00, c31 = c00, c40 = c00, c41 = c00, c50 = c00, c51 = c00;
     for (int64_t i0 = 0; i0 < k; i0 += step) {
-      if (pf_at < pf_bytes) {
-          prefetch_l2(pf + pf_at);
-          pf_at += 64;
-      }
-      for (int64_t i = i0; i < (i0 + step < k ? i0 + step : k); i++) {
-        const __m256 b0 = _mm256_loadu_ps(b + i * NR), b1 = _mm256_loadu_ps(b + i * NR + 8);
-        __m256 x = _mm256_broadcast_ss(a0 + i);
-        c00 = _mm256_fmadd_ps(x, b0, c00);
-        c01 = _mm256_fmadd_ps(x, b1, c01);
-        x = _mm256_broadcast_ss(a1 + i);
-        c10 = _mm256_fmadd_ps(x, b0, c10);
-        c11 = _mm256_fmadd_ps(x, b1, c11);
-        x = _mm256_broadcast_ss(a2 + i);
-        c20 = _mm256_fmadd_ps(x, b0, c20);
-        c21 = _mm256_fmadd_ps(x, b1, c21);
-        x = _mm256_broadcast_ss(a3 + i);
-        c30 = _mm256_fmadd_ps(x, b0, c30);
-        c31 = _mm256_fmadd_ps(x, b1, c31);
-        x = _mm256_broadcast_ss(a4 + i);
-        c40 = _mm256_fmadd_ps(x, b0, c40);
-        c41 = _mm256_fmadd_ps(x, b1, c41);
-        x = _mm256_broadcast_ss(a5 + i);
-        c50 = _mm256_fmadd_ps(x, b0, c50);
-        c51 = _mm256_fmadd_ps(x, b1, c51);
-      }
+        if (pf_at < pf_bytes) {
+            prefetch_l2(pf + pf_at);
+            pf_at += 64;
+        }
+        for (int64_t i = i0; i < (i0 + step < k ? i0 + step : k); i++) {
+            const __m256 b0 = _mm256_loadu_ps(b + i * NR);
+            const __m256 b1 = _mm256_loadu_ps(b + i * NR + 8);
+            __m256 x = _mm256_broadcast_ss(a0 + i);
+            c00 = _mm256_fmadd_ps(x, b0, c00);
+            c01 = _mm256_fmadd_ps(x, b1, c01);
+            x = _mm256_broadcast_ss(a1 + i);
+            c10 = _mm256_fmadd_ps(x, b0, c10);
+            c11 = _mm256_fmadd_ps(x, b1, c11);
+            x = _mm256_broadcast_ss(a2 + i);
+            c20 = _mm256_fmadd_ps(x, b0, c20);
+            c21 = _mm256_fmadd_ps(x, b1, c21);
+            x = _mm256_broadcast_ss(a3 + i);
+            c30 = _mm256_fmadd_ps(x, b0, c30);
+            c31 = _mm256_fmadd_ps(x, b1, c31);
+            x = _mm256_broadcast_ss(a4 + i);
+            c40 = _mm256_fmadd_ps(x, b0, c40);
+            c41 = _mm256_fmadd_ps(x, b1, c41);
+            x = _mm256_broadcast_ss(a5 + i);
+            c50 = _mm256_fmadd_ps(x, b0, c50);
+            c51 = _mm256_fmadd_ps(x, b1, c51);
+        }
     }
     _mm256_storeu_ps(out[0], c00), _mm256_storeu_ps(out[0] + 8, c01);
     _mm256_storeu_ps(out[1], c10), _mm256_storeu_ps(out[1] + 8, c11);
@@ -232,8 +234,9 @@ void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t
         const int64_t m1 = m0 + chunk < m ? m0 + chunk : m;
         /* While a panel's row tiles run from cache, the next panel is fetched into L2 a
          * slice per tile, so its first tile does not wait on memory (the hardware
-         * prefetchers stop at each 4 KiB page of the panel): 1.04-1.11x at 16-128 rows
-         * over SmolLM2's layers, one Sapphire Rapids core capped to AVX2. */
+         * prefetchers stop at each 4 KiB page of the panel): over SmolLM2's layers, 2
+         * threads of a Sapphire Rapids capped to AVX2, 1.22-1.44x at 4-64 rows and
+         * 1.03-1.07x at 128-2048 (docs/BENCHMARKS.md). */
         const int64_t tiles = (m1 - m0 + MR - 1) / MR;
         const int64_t panel_bytes = k * NR * (int64_t)sizeof(float);
         const int64_t slice = ((panel_bytes / tiles + 63) / 64) * 64;
