@@ -86,14 +86,23 @@ class StubDied(Exception):
 @dataclass(slots=True)
 class StubWatch:
     """Call `died()` now and then; it returns the stubs gone since the last call whose
-    model Triton still counts as loaded (a stub leaving with its unloaded model is fine)."""
+    model Triton still counts as loaded (a stub leaving with its unloaded model is fine).
+    A death seen while the server does not answer (busy past the timeout) is asked about
+    again at the next call, not forgotten: forgotten, its requests would hang for good."""
     pgid: int
     http_url: str
     headers: dict[str, str] | None = None  # for the repository API (restricted_api)
     known: dict[int, Stub] = field(default_factory=dict)
+    unanswered: list[Stub] = field(default_factory=list)  # gone; model state not known yet
 
     def died(self) -> list[Stub]:
-        gone = [stub for stub in self.known.values() if not stub.alive()]
+        gone = self.unanswered + [stub for stub in self.known.values() if not stub.alive()]
         self.known = {stub.pid: stub for stub in stubs_of(self.pgid)}
-        return [stub for stub in gone if model_state(self.http_url, stub.model,
-                                                      headers=self.headers) == "READY"]
+        dead, self.unanswered = [], []
+        for stub in gone:
+            state = model_state(self.http_url, stub.model, headers=self.headers)
+            if state is None:
+                self.unanswered.append(stub)
+            elif state == "READY":
+                dead.append(stub)
+        return dead
