@@ -17,6 +17,7 @@ import torch
 
 from kernels import torch_ops
 from kernels.cpu import features as cpu_features
+from kernels.cpu import native as cpu_native
 from kernels.cpu import paged_attention as cpu_attention
 from testing.paged_batch import make_paged_batch
 from testing.threads import torch_threads
@@ -60,8 +61,8 @@ def _sides(batch):
         assert cpu_attention.paged_attention(q, kc, vc, tables, qsl, lens, scale) is not None
 
     sides = {"sdpa": sdpa}
-    if cpu_attention.paged_attention(q, kc, vc, tables, qsl, lens, scale) is not None:
-        sides["tiles"] = tiles  # the native library is there
+    if cpu_native.load_library() is not None:
+        sides["tiles"] = tiles
     if cpu_attention.prefill_amx_built():
         sides["amx"] = amx
     return sides

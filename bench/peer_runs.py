@@ -77,7 +77,8 @@ def run_vllm(python: str, w: Workload, model_dir: Path, repeat: int, dtype: str,
     """vLLM's CPU build in its own venv, same prompts and lengths (bench/vllm_peer.py)."""
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}",
                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
-    if cpu_features.detect().isa != cpu_features.detect().detected_isa:
+    features = cpu_features.detect()
+    if features.isa != features.detected_isa:
         # Under TLE_CPU_ISA vLLM too runs the kernels it runs on a CPU of that level.
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ISA_CAP_SITE),
                                                           env.get("PYTHONPATH"))))

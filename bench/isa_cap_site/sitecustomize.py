@@ -8,6 +8,8 @@ folder on a capped peer's PYTHONPATH, so every process it starts loads what it w
 on a CPU of that level."""
 import os
 
+# kernels/cpu/features.X86_LEVELS, restated: a peer's venv does not have this project
+# (tests/bench/test_isa_cap_site.py holds the two to the same answers at every level).
 _LEVELS = ("baseline", "avx2", "avx512", "avx512_bf16", "amx")
 # torch.cpu's probe -> the lowest level that has the feature.
 _PROBE_LEVEL = {"_is_avx512_supported": "avx512", "_is_avx512_vnni_supported": "avx512",
