@@ -3,8 +3,8 @@
 The native CPU kernels (cpu_native) and the Triton kernels are tested against these.
 They run whenever no faster kernel handles a case: the paged ops for CPU dtypes and
 layouts the C kernels decline, the element-wise ops (add_rms_norm, silu_mul, rope,
-argmax_rows) for fp32 CPU and for CUDA, which has no Triton kernel for them. Paged
-layout and semantics: docs/CONTRACTS.md.
+argmax_rows) where the native library is absent or declines the dtype, and on CUDA,
+which has no Triton kernel for them. Paged layout and semantics: docs/CONTRACTS.md.
 
 Decode rows (one query token per sequence) are handled for the whole batch at once;
 each prefill chunk (query length > 1) goes through scaled_dot_product_attention with

@@ -63,22 +63,46 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     }
 }
 
-/* out[r] = index of the first maximum of row r (torch.argmax semantics without NaNs). */
-void argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
-    for (int64_t r = 0; r < rows; r++) {
-        const uint16_t *row = x + r * cols;
-        float best = -3.0e38f;  /* finite: the build uses fast-math */
-        for (int64_t i = 0; i < cols; i++) {
-            const float v = bf16_to_f32(row[i]);
-            best = v > best ? v : best;
+/* Row-wise argmax, index of the first maximum (torch.argmax without NaNs), bf16 or
+ * float32. One pass takes each 256-wide block's maximum (a vectorized reduction); only
+ * the first block holding the row's maximum is scanned again for the index. [64, 49152]
+ * logits on 2 Sapphire Rapids cores: float32 0.27 ms where torch.argmax took 2.0; bf16
+ * 0.12-0.15 ms where two whole passes took 0.56-0.64 (torch upcasts bf16 first: 5.1). */
+#define ARGMAX_BLOCK 256
+
+static inline __attribute__((always_inline)) int64_t argmax_row(const void *x, int is_bf16,
+                                                                int64_t cols) {
+    float best = -3.0e38f;  /* finite: the build uses fast-math */
+    int64_t first_block = 0;
+    for (int64_t b0 = 0; b0 < cols; b0 += ARGMAX_BLOCK) {
+        const int64_t n = cols - b0 < ARGMAX_BLOCK ? cols - b0 : ARGMAX_BLOCK;
+        float m = -3.0e38f;
+        if (is_bf16) {
+            const uint16_t *v = (const uint16_t *)x + b0;
+            for (int64_t i = 0; i < n; i++) m = bf16_to_f32(v[i]) > m ? bf16_to_f32(v[i]) : m;
+        } else {
+            const float *v = (const float *)x + b0;
+            for (int64_t i = 0; i < n; i++) m = v[i] > m ? v[i] : m;
         }
-        int64_t index = 0;
-        for (int64_t i = 0; i < cols; i++) {
-            if (bf16_to_f32(row[i]) == best) { index = i; break; }
-        }
-        out[r] = index;
+        if (m > best) { best = m; first_block = b0; }  /* strictly: ties keep the first */
     }
+    for (int64_t i = first_block; i < cols; i++) {
+        const float v = is_bf16 ? bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+        if (v == best) return i;
+    }
+    return 0;  /* every value below -3e38 (all -inf): torch answers 0 too */
+}
+
+void argmax_bf16(const uint16_t *x, int64_t *out, int64_t rows, int64_t cols, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (rows > 1 && rows * cols >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, 1, cols);
+}
+
+void argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (rows > 1 && rows * cols >= PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) out[r] = argmax_row(x + r * cols, 0, cols);
 }
 
 /* Rotate-half RoPE over the first `heads` heads of each row of a fused qkv buffer

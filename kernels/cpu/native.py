@@ -97,6 +97,7 @@ def load_library() -> ctypes.CDLL | None:
         "add_rms_norm_bf16": (None, [ptr] * 4 + [i64, i64, f32, i32]),
         "silu_mul_bf16": (None, [ptr, ptr, i64, i64, i32]),
         "argmax_bf16": (None, [ptr, ptr, i64, i64, i32]),
+        "argmax_f32": (None, [ptr, ptr, i64, i64, i32]),
         "rope_bf16": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]),
         "reshape_and_cache_16": (None, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
         "add_rms_norm_f32": (None, [ptr] * 4 + [i64, i64, f32, i32]),
@@ -163,12 +164,15 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
-    """Row-wise argmax (first maximum) of a 2-D bf16 CPU tensor; None if not applicable."""
+    """Row-wise argmax (first maximum) of a 2-D bf16 or float32 CPU tensor; None if not
+    applicable."""
     lib = load_library()
-    if lib is None or x.dim() != 2 or not _cpu_contiguous(torch.bfloat16, x):
+    if (lib is None or x.dim() != 2 or x.dtype not in _ELEMENTWISE
+            or not _cpu_contiguous(x.dtype, x)):
         return None
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    lib.argmax_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
+    kernel = lib.argmax_bf16 if x.dtype == torch.bfloat16 else lib.argmax_f32
+    kernel(x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], torch.get_num_threads())
     return out
 
 

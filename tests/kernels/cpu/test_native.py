@@ -136,13 +136,30 @@ def test_fused_silu_mul_saturates_without_nan(dtype):
     torch.testing.assert_close(got, expected, atol=1e-30, rtol=1e-2)
 
 
-def test_argmax_rows_takes_the_first_maximum():
-    logits = torch.randn(9, 5000, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_rows_takes_the_first_maximum(dtype):
+    logits = torch.randn(9, 5000, generator=torch.Generator().manual_seed(1)).to(dtype)
     logits[3, 17] = logits[3, 4000] = 50.0  # a tie: the first index wins, as in torch
     logits[5, :] = -1.0
+    # ties on both sides of the kernel's 256-wide block edge, and in a later block only
+    logits[6, 255] = logits[6, 256] = logits[6, 4999] = 60.0
+    logits[7, 300] = logits[7, 511] = 70.0
+    logits[8, :] = -float("inf")  # a fully masked row: torch answers 0
     got = cpu_native.argmax_rows(logits)
     assert torch.equal(got, logits.float().argmax(dim=-1))
-    assert got[3] == 17 and got[5] == 0
+    assert [got[i].item() for i in (3, 5, 6, 7, 8)] == [17, 0, 255, 300, 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("cols", [1, 7, 255, 256, 257, 49152])
+def test_argmax_rows_at_block_edges(dtype, cols):
+    logits = torch.randn(5, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
+    logits[1, -1] = 100.0  # the maximum in the last, possibly partial, block
+    got = cpu_native.argmax_rows(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got[1] == cols - 1
+    # one row: the kernel runs it on the calling thread
+    assert torch.equal(cpu_native.argmax_rows(logits[1:2]), logits[1:2].argmax(dim=-1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
@@ -155,11 +172,6 @@ def test_elementwise_kernels_decline_other_dtypes(dtype):
     assert cpu_native.rope(x, 1, 64, 16, torch.zeros(4, dtype=torch.int64), table, table) is None
     # Mixed dtypes decline too: the kernel reads every operand as the residual's dtype.
     assert cpu_native.add_rms_norm(None, torch.randn(4, 64), torch.ones(64, dtype=dtype), 1e-5) is None
-
-
-def test_argmax_has_no_float32_kernel():
-    # torch.argmax on float32 needs no upcast, so there is nothing to gain from one.
-    assert cpu_native.argmax_rows(torch.randn(4, 64)) is None
 
 
 @pytest.mark.parametrize("rot_half", [32, 16])  # full and partial rotary
