@@ -25,86 +25,60 @@ SOURCE = r"""
 #include <immintrin.h>
 #include <time.h>
 #define CHAINS 24
-volatile float sink_f;
-volatile int sink_i;
+volatile double sink;
 static double now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return t.tv_sec + t.tv_nsec * 1e-9;
 }
-/* Each returns the seconds `iters` rounds of CHAINS instructions took, or -1 where the
- * build lacks the instruction. Operands keep every chain finite (x * 1 + 1, or sums of
- * ones), so no value turns into an infinity or a denormal. */
+/* The body of each function below: CHAINS accumulators of TYPE, each updated by STEP
+ * `iters` times; returns the seconds that took. Operands keep every chain finite (x * 1
+ * + 1, or sums of ones), so no value turns into an infinity or a denormal. */
+#define TIMED(TYPE, START, STEP, FIRST)                                   \
+    TYPE acc[CHAINS];                                                     \
+    for (int i = 0; i < CHAINS; i++) acc[i] = START;                      \
+    const double t = now();                                               \
+    for (long n = 0; n < iters; n++) {                                    \
+        _Pragma("GCC unroll 24")                                          \
+        for (int i = 0; i < CHAINS; i++) acc[i] = STEP;                   \
+    }                                                                     \
+    const double s = now() - t;                                           \
+    for (int i = 0; i < CHAINS; i++) sink += FIRST;                       \
+    return s;
+/* -1 where the build lacks the instruction */
+#define ABSENT (void)iters; return -1;
+
 double fma_256(long iters) {
 #if defined(__FMA__)
-    __m256 acc[CHAINS];
     const __m256 one = _mm256_set1_ps(1.f);
-    for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_set1_ps((float)i);
-    const double t = now();
-    for (long n = 0; n < iters; n++) {
-        #pragma GCC unroll 24
-        for (int i = 0; i < CHAINS; i++) acc[i] = _mm256_fmadd_ps(acc[i], one, one);
-    }
-    const double s = now() - t;
-    for (int i = 0; i < CHAINS; i++) sink_f += acc[i][0];
-    return s;
+    TIMED(__m256, _mm256_set1_ps((float)i), _mm256_fmadd_ps(acc[i], one, one), acc[i][0])
 #else
-    (void)iters;
-    return -1;
+    ABSENT
 #endif
 }
 double fma_512(long iters) {
 #if defined(__AVX512F__)
-    __m512 acc[CHAINS];
     const __m512 one = _mm512_set1_ps(1.f);
-    for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
-    const double t = now();
-    for (long n = 0; n < iters; n++) {
-        #pragma GCC unroll 24
-        for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_fmadd_ps(acc[i], one, one);
-    }
-    const double s = now() - t;
-    for (int i = 0; i < CHAINS; i++) sink_f += acc[i][0];
-    return s;
+    TIMED(__m512, _mm512_set1_ps((float)i), _mm512_fmadd_ps(acc[i], one, one), acc[i][0])
 #else
-    (void)iters;
-    return -1;
+    ABSENT
 #endif
 }
 double dpbf16_512(long iters) {
 #if defined(__AVX512BF16__)
-    __m512 acc[CHAINS];
     const __m512bh ones = (__m512bh)_mm512_set1_epi32(0x3f803f80);  /* bf16 1.0 pairs */
-    for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
-    const double t = now();
-    for (long n = 0; n < iters; n++) {
-        #pragma GCC unroll 24
-        for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_dpbf16_ps(acc[i], ones, ones);
-    }
-    const double s = now() - t;
-    for (int i = 0; i < CHAINS; i++) sink_f += acc[i][0];
-    return s;
+    TIMED(__m512, _mm512_set1_ps((float)i), _mm512_dpbf16_ps(acc[i], ones, ones), acc[i][0])
 #else
-    (void)iters;
-    return -1;
+    ABSENT
 #endif
 }
 double dpbusd_512(long iters) {
 #if defined(__AVX512VNNI__)
-    __m512i acc[CHAINS];
     const __m512i ones = _mm512_set1_epi8(1);
-    for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_set1_epi32(i);
-    const double t = now();
-    for (long n = 0; n < iters; n++) {
-        #pragma GCC unroll 24
-        for (int i = 0; i < CHAINS; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], ones, ones);
-    }
-    const double s = now() - t;
-    for (int i = 0; i < CHAINS; i++) sink_i += _mm512_cvtsi512_si32(acc[i]);
-    return s;
+    TIMED(__m512i, _mm512_set1_epi32(i), _mm512_dpbusd_epi32(acc[i], ones, ones),
+          _mm512_cvtsi512_si32(acc[i]))
 #else
-    (void)iters;
-    return -1;
+    ABSENT
 #endif
 }
 """
