@@ -93,12 +93,13 @@ INSTRUCTIONS = (("fma_256", "vfmadd231ps ymm (float32)", 8 * 2),
 def measure(lib: ctypes.CDLL, iters: int, rounds: int) -> dict[str, float | None]:
     """Each instruction's best rate over `rounds`, in G operations a second (None: not
     built). The instructions alternate within a round, so a slow minute hits them all."""
+    for name, _, _ in INSTRUCTIONS:
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long]
     best: dict[str, float | None] = {}
     for _ in range(rounds):
         for name, _, ops in INSTRUCTIONS:
-            fn = getattr(lib, name)
-            fn.restype, fn.argtypes = ctypes.c_double, [ctypes.c_long]
-            seconds = fn(iters)
+            seconds = getattr(lib, name)(iters)
             rate = None if seconds < 0 else iters * CHAINS * ops / seconds / 1e9
             if rate is not None:
                 rate = max(rate, best.get(name) or 0.0)
