@@ -28,7 +28,11 @@ A python backend stub that dies while its model is loaded (SIGKILL, OOM) leaves 
 requests hanging inside tritonserver (backend/stub_watch.py): serve notices within a
 second, logs it and kills tritonserver, which ends those streams with an error. With
 --health-check it then starts tritonserver again (the models load anew and serve);
-without, it exits with status 1 for a supervisor to restart.
+without, it exits with status 1 for a supervisor to restart. tritonserver may also die
+of a stub's death by itself before serve looks (Triton's python backend aborts on a
+boost::interprocess::lock_exception now and then): --health-check starts it again after
+any crash (a signal serve did not send) once it had been ready, and only then, so a
+server that cannot start is not started again and again.
 """
 from __future__ import annotations
 
@@ -84,7 +88,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="load only these models (default: all)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--health-check", action="store_true",
-                   help="start tritonserver again when a backend stub dies (default: exit 1)")
+                   help="start tritonserver again when a backend stub dies (default: exit 1) "
+                        "or when it crashes after it was ready (default: its status)")
     p.add_argument("--exit-timeout-secs", type=int, default=20, metavar="S",
                    help="on SIGTERM/SIGINT, how long in-flight requests may run before "
                         "tritonserver is killed (default: 20, within Kubernetes' 30 s grace period)")
@@ -257,18 +262,37 @@ def start_and_wait(server: TritonServer, signals: StopSignals,
     return ready
 
 
-def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespace) -> int:
-    """Waits for tritonserver's exit; on a dead stub, starts it again (--health-check)."""
+def crash_signal(returncode: int, signals: StopSignals) -> str | None:
+    """The signal's name when tritonserver died of one that no stop request of serve's
+    sent (an abort, a segfault, the OOM killer); None for an exit or a requested stop."""
+    if returncode >= 0 or signals.stopping:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
+def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespace,
+              ready: bool = True) -> int:
+    """Waits for tritonserver's exit. With --health-check, starts it again after a stub
+    died, or after it crashed once `ready` (never ready: its own status, no retry)."""
     while True:
         watch = StubWatch(server.process.pid, server.http_url, http_headers(args.admin_key))
         try:
-            return exit_status(wait_exit(server, signals, args.exit_timeout_secs, watch), signals)
+            returncode = wait_exit(server, signals, args.exit_timeout_secs, watch)
         except StubDied:
             server.stop()  # the reaper and the log; what is left of the group goes
             if not args.health_check:
                 print("serve: exiting with status 1 (--health-check starts tritonserver again)",
                       file=sys.stderr, flush=True)
                 return 1
+        else:
+            crash = crash_signal(returncode, signals)
+            if crash is None or not (args.health_check and ready):
+                return exit_status(returncode, signals)
+            print(f"serve: tritonserver crashed ({crash}) while serving", file=sys.stderr, flush=True)
+            server.stop()  # its stubs outlive it otherwise
         print("serve: --health-check: starting tritonserver again", file=sys.stderr, flush=True)
         restarted = time.monotonic()
         ready = start_and_wait(server, signals, args)
@@ -314,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"  metrics  {server.metrics_url}\n"
                   + ("  admin APIs need the header admin-key (--restrict-api)\n"
                      if args.admin_key else ""), flush=True)
-        return supervise(server, signals, args)
+        return supervise(server, signals, args, ready)
     finally:
         if signals.killed:
             server.kill()

@@ -308,14 +308,16 @@ def test_sigkill_of_serve_takes_tritonserver_and_its_stubs_down(launch):
 # --- the same code against a stand-in tritonserver (fast) ---------------------------------
 
 # argv[1]: "drains" exits 0 shortly after SIGINT, "hangs" ignores SIGINT, "fails" exits 3
-# by itself. Its child stands for a python backend stub (same process group) that does
-# not watch its parent, so only a kill of the whole group ends it.
+# by itself, "crashes" aborts by itself (as Triton's python backend does now and then when
+# a stub dies) unless the file argv[2] exists, which it makes first; then it drains. Its
+# child stands for a python backend stub (same process group) that does not watch its
+# parent, so only a kill of the whole group ends it.
 STAND_IN = r"""
-import signal, subprocess, sys, time
+import os, resource, signal, subprocess, sys, time
 mode = sys.argv[1]
 stub = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
 def on_sigint(*_):
-    if mode == "drains":
+    if mode in ("drains", "crashes"):
         time.sleep(0.3)
         stub.kill()
         stub.wait()
@@ -327,6 +329,11 @@ if mode == "fails":
     stub.kill()
     stub.wait()
     sys.exit(3)
+if mode == "crashes" and not os.path.exists(sys.argv[2]):
+    open(sys.argv[2], "w").close()
+    time.sleep(0.3)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.abort()
 while True:
     time.sleep(1)
 """
@@ -336,11 +343,14 @@ class StandIn(TritonServer):
     def command(self) -> list[str]:
         return [sys.executable, "-c", STAND_IN, *self.extra_args]
 
+    def is_ready(self) -> bool:  # it has no HTTP: ready once it said so
+        return self.process.poll() is None and "up" in self.log_path.read_text()
 
-def _start_stand_in(tmp_path: Path, mode: str) -> tuple[StandIn, list[Proc]]:
+
+def _start_stand_in(tmp_path: Path, *argv: str) -> tuple[StandIn, list[Proc]]:
     # An existing marker makes prepare_server_dir a no-op.
     (tmp_path / f".ready-{sys.version_info.major}.{sys.version_info.minor}").touch()
-    server = StandIn(tmp_path, log_path=tmp_path / "stand-in.log", server_dir=tmp_path, extra_args=[mode])
+    server = StandIn(tmp_path, log_path=tmp_path / "stand-in.log", server_dir=tmp_path, extra_args=list(argv))
     server.start()
     deadline = time.monotonic() + 30
     while "up" not in server.log_path.read_text():
@@ -417,6 +427,51 @@ def test_tritonserver_failing_by_itself_gives_its_status(tmp_path, handlers):
         assert returncode == 3 and serve.exit_status(returncode, handlers) == 3
     finally:
         server.stop(timeout=5)
+    assert not wait_dead(group, 2.0)
+
+
+def test_health_check_starts_tritonserver_again_after_it_crashed_while_serving(
+        tmp_path, handlers, capsys):
+    server, group = _start_stand_in(tmp_path, "crashes", str(tmp_path / "crashed"))
+    first = server.process
+    args = serve.parse_args(["--health-check", "--ready-timeout", "30"])
+
+    def stop_once_serving_again() -> None:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (server.process is not first and server.is_ready()):
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)  # late: the assertions below say what failed
+
+    try:
+        handlers.attach(server)
+        threading.Thread(target=stop_once_serving_again, daemon=True).start()
+        status = serve.supervise(server, handlers, args, ready=True)
+    finally:
+        server.stop(timeout=5)
+    err = capsys.readouterr().err
+    assert first.returncode == -signal.SIGABRT, err
+    assert "serve: tritonserver crashed (SIGABRT) while serving" in err
+    assert "--health-check: starting tritonserver again" in err
+    assert server.process is not first and server.process.returncode == 0, err  # drained
+    assert status == 0, err
+    assert not wait_dead(group, 2.0)  # the crashed one's stub too
+
+
+@pytest.mark.parametrize("health_check,ready", [(False, True), (True, False)],
+                         ids=["without_health_check", "crashed_before_ready"])
+def test_a_crash_is_not_started_again_without_health_check_or_before_ready(
+        tmp_path, handlers, capsys, health_check, ready):
+    server, group = _start_stand_in(tmp_path, "crashes", str(tmp_path / "crashed"))
+    first = server.process
+    args = serve.parse_args(["--ready-timeout", "30"] + ["--health-check"] * health_check)
+    try:
+        handlers.attach(server)
+        status = serve.supervise(server, handlers, args, ready=ready)
+    finally:
+        server.stop(timeout=5)
+    err = capsys.readouterr().err
+    assert server.process is first and status == 128 + signal.SIGABRT, err
+    assert "exited by itself with status -6" in err and "starting tritonserver again" not in err
     assert not wait_dead(group, 2.0)
 
 

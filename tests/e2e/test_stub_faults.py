@@ -5,8 +5,8 @@ server for all of them (issue 28, item 3):
 - a KV-event subscriber that never reads: the same streams finish, and a reading
   subscriber beside it gets every batch in order;
 - SIGKILL of the python backend stub while 16 streams run: every client gets an error
-  within seconds, the model reports not ready, serve logs it, starts tritonserver again
-  and the model serves."""
+  within seconds, the model reports not ready, serve logs it (or tritonserver's own crash
+  on it), starts tritonserver again and the model serves."""
 from __future__ import annotations
 
 import asyncio
@@ -178,7 +178,12 @@ def test_full_trace_deaf_subscriber_and_a_killed_stub(served):
           f"{max(o.error_at for o in outcomes) - killed_at:.1f} s after the kill: "
           f"{outcomes[0].error}")
     assert not readiness[-1], readiness  # tritonserver is down: serve is starting it again
-    assert "serve: backend stub died: llm_0_0 (model llm" in served.text(), served.tail()
+    # A race inside Triton decides which comes first: serve sees the dead stub and kills
+    # tritonserver, or Triton's python backend aborts by itself on the dead stub's lock
+    # (boost::interprocess::lock_exception, seen in CI). Either must end in a restart.
+    log = served.text()
+    assert ("serve: backend stub died: llm_0_0 (model llm" in log
+            or "serve: tritonserver crashed (SIGABRT) while serving" in log), served.tail()
     deadline = time.monotonic() + 30  # serve reaps the old server's group first
     while "--health-check: starting tritonserver again" not in served.text():
         assert time.monotonic() < deadline, served.tail()
