@@ -331,7 +331,7 @@ if mode == "fails":
     sys.exit(3)
 if mode == "crashes" and not os.path.exists(sys.argv[2]):
     open(sys.argv[2], "w").close()
-    time.sleep(0.3)
+    time.sleep(1.0)  # the test has seen it up and listed its group by then
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     os.abort()
 while True:
