@@ -20,7 +20,7 @@ from engine.structured_output.grammar import GrammarCompiler
 from engine.worker.cpu_threads import ThreadGovernor, configure_threads
 from engine.worker.kv_pool import resolve_kv_pool
 from engine.worker.model_runner import ModelRunner
-from kernels.cpu import features as cpu_features
+from kernels.dispatch import detect_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class EngineParts:
 
 def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     tp_size = config.tensor_parallel_size
-    num_cpus = cpu_features.detect().num_cpus
+    num_cpus = detect_cpu().num_cpus
     # Ranks share the CPUs: each gets its part, fixed (the governor would count the
     # other ranks as busy neighbours and shrink every rank to one thread).
     num_threads = (config.num_threads or max(1, num_cpus // tp_size)) if tp_size > 1 \
@@ -115,7 +115,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     logger.info("engine ready: model %s (%s), %d KV blocks x %d tokens, max_model_len %d; "
                 "CPU %s; load %.1f s, warm-up %.1f s", loaded.model_dir,
                 str(loaded.dtype).removeprefix("torch."), cache_cfg.num_kv_blocks,
-                cache_cfg.block_size, sched_cfg.max_model_len, cpu_features.detect().describe(),
+                cache_cfg.block_size, sched_cfg.max_model_len, detect_cpu().describe(),
                 loaded.load_seconds, warm_up_s)
     return EngineParts(config, loaded, runner, scheduler, grammar_compiler, trace, kv_events,
                        threads, tensor_parallel, lora)
@@ -130,7 +130,7 @@ def open_trace(config: EngineConfig, loaded) -> TraceRecorder | NullTrace:
     header = {"block_size": cache.block_size, "model": str(loaded.model_dir),
               "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
               "dtype": str(loaded.dtype).removeprefix("torch."),
-              "host": cpu_features.detect().describe(), "engine_args": args}
+              "host": detect_cpu().describe(), "engine_args": args}
     try:
         recorder = TraceRecorder(config.trace_path, config.trace_max_bytes, header)
     except OSError as exc:

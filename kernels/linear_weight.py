@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.gguf_weight import GgufWeight
 
 
 class LinearWeight:

@@ -259,7 +259,7 @@ def quantize_activations_q8(x: torch.Tensor) -> torch.Tensor:
 
 
 def gguf_linear(x: torch.Tensor, weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """What kernels/cpu/linear_quant.c computes for a GgufWeight (kernels/cpu/gguf_weight.py):
+    """What kernels/cpu/linear_quant.c computes for a GgufWeight (kernels/gguf_weight.py):
     the dequantized weights against x quantized per 32-block (llama.cpp's Q8_0 / Q8_1
     activations, with float32 scales)."""
     out = quantize_activations_q8(x) @ weight.dequantize().T

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 from gguf import quants
 
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.gguf_weight import GgufWeight
 
 
 def gguf_weight(type_name: str, out_features: int, in_features: int, seed: int = 0):

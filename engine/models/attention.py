@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels import paged_attention, reshape_and_cache
+from kernels.dispatch import paged_attention, reshape_and_cache
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ import os
 import numpy as np
 import torch
 
-from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+from kernels.dispatch import GGUF_FORMATS, GgufWeight
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _matching_order(weight: GgufWeight, dense: torch.Tensor, num_heads: int,
 
 def _tensor(reader_tensor) -> tuple[str, GgufWeight] | None:
     type_name = reader_tensor.tensor_type.name
-    if type_name not in FORMATS:
+    if type_name not in GGUF_FORMATS:
         return None
     blocks = torch.from_numpy(np.array(reader_tensor.data, copy=True)).view(torch.uint8)
     in_features = int(reader_tensor.shape[0])  # GGUF lists dimensions innermost first

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.dispatch import GgufWeight
 from kernels.dispatch import LinearWeight
 
 

@@ -16,7 +16,7 @@ from engine.models.attention import AttentionMetadata, PagedAttention
 from engine.models.layers import Embedding, Linear, RMSNorm, SwiGLUMLP, empty_param
 from engine.models.rope import RotaryEmbedding
 from kernels import dispatch
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.dispatch import GgufWeight
 from kernels.dispatch import LinearWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]

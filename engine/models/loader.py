@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.models.llama import MODEL_REGISTRY, head_dim_of
 from engine.models.model_files import load_tokenizer, resolve_model_dir
-from kernels.cpu import features as cpu_features
+from kernels.dispatch import detect_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def resolve_dtype(dtype: torch.dtype | str | None, config: Any,
     if isinstance(dtype, str) and dtype != "auto" and dtype not in _DTYPES:
         raise ValueError(f"dtype: unsupported value {dtype!r}; use one of {sorted(_DTYPES)}")
     on_cpu = torch.device(device).type == "cpu"
-    features = cpu_features.detect()
+    features = detect_cpu()
     if isinstance(dtype, torch.dtype) or (dtype is not None and dtype != "auto"):
         chosen = dtype if isinstance(dtype, torch.dtype) else _DTYPES[dtype]
         if on_cpu and chosen != torch.float32 and not features.native_bf16:
@@ -111,7 +111,7 @@ def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> list[int]:
     candidates: list[Any] = []
     gen_path = model_dir / "generation_config.json"
     if gen_path.is_file():
-        candidates.append(json.loads(gen_path.read_text()).get("eos_token_id"))
+        candidates.append(json.loads(gen_path.read_text(encoding="utf-8")).get("eos_token_id"))
     candidates.append(getattr(config, "eos_token_id", None))
     candidates.append(getattr(tokenizer, "eos_token_id", None))
     for value in candidates:

@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from kernels.cpu.features import affinity_cpus
+from kernels.dispatch import affinity_cpus
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ from functools import lru_cache
 import torch
 
 from kernels.cpu import native as cpu_native
-from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+from kernels.gguf_weight import FORMATS, GgufWeight
 from kernels.linear_weight import LinearWeight
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -13,7 +13,7 @@ from functools import lru_cache
 import torch
 
 from kernels.cpu import native as cpu_native
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.gguf_weight import GgufWeight
 
 PANEL = 16
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int

@@ -13,7 +13,7 @@ import torch
 
 from kernels.cpu import features as cpu_features
 from kernels.cpu import native as cpu_native
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.gguf_weight import GgufWeight
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {

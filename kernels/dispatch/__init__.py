@@ -1,4 +1,6 @@
-"""The one place that picks a kernel: the engine calls these and nothing else in kernels/.
+"""The one place that picks a kernel, and the engine's one door into kernels/: the engine
+imports this package and nothing else there (the weight types it builds, GgufWeight and
+LinearWeight, and CPU detection come through it too; tests/kernels/test_dispatch.py).
 
 Each op goes, by the device of its tensors:
   CUDA -> the Triton kernel where one exists (paged attention, KV writes), else torch;
@@ -25,6 +27,10 @@ allocation or feature detection of its own (cpu_native caches its library load).
 Triton module is imported only for CUDA tensors, so CPU deployments never need triton.
 """
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights  # noqa: F401
+# What the engine needs to know of the host: the features the kernels are built for
+# (TLE_CPU_ISA's cap applied) and the CPUs this process may use.
+from kernels.cpu.features import affinity_cpus  # noqa: F401
+from kernels.cpu.features import detect as detect_cpu  # noqa: F401
 from kernels.dispatch.attention import (BF16_AMX_PREFILL_MIN_WORK,  # noqa: F401
                                         BF16_AMX_TILE_MAX_WORK, paged_attention,
                                         reshape_and_cache, warm_up)
@@ -38,6 +44,8 @@ from kernels.dispatch.matmul import (BF16_TILES_MIN_ROWS, DENSE_ROWS_MAX,  # noq
                                      bf16_panels_preferred, build_matmul_primitives,
                                      decode_step_plan, dense_linear_rows, gate_up_silu,
                                      invariant_linear, linear, prepare_linear, unpack_linear)
+from kernels.gguf_weight import FORMATS as GGUF_FORMATS  # noqa: F401
+from kernels.gguf_weight import GgufWeight  # noqa: F401
 from kernels.linear_weight import LinearWeight  # noqa: F401
 # The engine builds a step's segments and lays adapters out through these re-exports.
 from kernels.lora_ops import LoRASegments, LoRAWeights, SegmentWeights, make_segments  # noqa: F401

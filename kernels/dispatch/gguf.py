@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import linear as cpu_linear
 from kernels import torch_invariant
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.gguf_weight import GgufWeight
 
 
 def gguf_kernel_available() -> bool:

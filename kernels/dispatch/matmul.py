@@ -15,7 +15,7 @@ from kernels.cpu import linear as cpu_linear
 from kernels.cpu import onednn as cpu_onednn
 from kernels import torch_invariant
 from kernels.cpu.decode_step import DecodeStepPlan, LayerWeights
-from kernels.cpu.gguf_weight import GgufWeight
+from kernels.gguf_weight import GgufWeight
 from kernels.dispatch import elementwise
 from kernels.dispatch.gguf import gguf_linear, prepare_gguf
 from kernels.linear_weight import LinearWeight

@@ -149,10 +149,9 @@ def _kernel_imports(path: Path) -> set[str]:
 
 
 def test_engine_reaches_kernels_through_dispatch_only():
-    # The package re-exports dispatch's functions; cpu_features is detection and
-    # gguf_weight a weight format (what the loader builds), not kernels. dispatch's own
-    # modules (kernels.dispatch.matmul, ...) are reached through its face only.
-    allowed = {"kernels", "kernels.dispatch", "kernels.cpu.features", "kernels.cpu.gguf_weight"}
+    # One door: kernels.dispatch's face, which also hands out the weight types and CPU
+    # detection; its own modules (kernels.dispatch.matmul, ...) are never reached directly.
+    allowed = {"kernels.dispatch"}
     assert set(kernels.__all__) <= set(vars(dispatch))
     sources = sorted(ENGINE.rglob("*.py"))
     assert len(sources) > 10

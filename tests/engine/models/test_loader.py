@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.models import default_model_dir, load_model
 from engine.models import gguf_cache
+from engine.models import loader as loader_module
 from engine.models.layers import Linear
 from engine.models.loader import resolve_dtype
 from testing.tiny_model import make_tiny_model_dir
@@ -71,6 +72,7 @@ def _features(isa: str) -> cpu_features.CpuFeatures:
 def test_auto_dtype_follows_the_cpu(tiny_dir, monkeypatch, isa, expected):
     config = AutoConfig.from_pretrained(tiny_dir)  # an fp32 checkpoint
     monkeypatch.setattr(cpu_features, "detect", lambda: _features(isa))
+    monkeypatch.setattr(loader_module, "detect_cpu", cpu_features.detect)
     assert resolve_dtype("auto", config, "cpu") == expected
     assert resolve_dtype(None, config, "cpu") == expected
     # On a GPU the CPU does not matter: an fp32 checkpoint runs in bf16, as in vLLM.
@@ -90,6 +92,7 @@ def test_explicit_bf16_runs_unpacked_where_oneDNN_cannot_prepack(tiny_dir, monke
     """An AVX2-only CPU: oneDNN refuses the bf16 weight reorder; the model must still load
     (plain F.linear, slower) and say why, and agree with the prepacked-or-not fp32 run."""
     monkeypatch.setattr(cpu_features, "detect", lambda: _features("avx2"))
+    monkeypatch.setattr(loader_module, "detect_cpu", cpu_features.detect)
     with caplog.at_level("WARNING", logger="engine.models.loader"):
         bf16 = load_model(tiny_dir, "bfloat16")
     assert "emulated" in caplog.text and "avx2" in caplog.text

@@ -8,7 +8,7 @@ import torch
 
 from kernels.cpu import features as cpu_features
 from kernels.cpu import linear as cpu_linear
-from kernels.cpu.gguf_weight import BLOCK
+from kernels.gguf_weight import BLOCK
 from testing.gguf_weights import gguf_weight
 from testing.native_build import CAN_DISASSEMBLE, disassemble
 from testing.threads import torch_threads

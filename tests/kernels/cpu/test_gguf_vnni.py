@@ -11,7 +11,7 @@ import torch
 from kernels import dispatch, torch_ops
 from kernels.cpu import features as cpu_features
 from kernels.cpu import linear as cpu_linear
-from kernels.cpu.gguf_weight import FORMATS
+from kernels.gguf_weight import FORMATS
 from testing.gguf_weights import gguf_weight
 from testing.native_build import CAN_DISASSEMBLE, disassemble
 from testing.threads import torch_threads

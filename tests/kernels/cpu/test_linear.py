@@ -9,7 +9,7 @@ from kernels import dispatch
 from kernels.cpu import features as cpu_features
 from kernels.cpu import linear as cpu_linear
 from kernels import torch_ops
-from kernels.cpu.gguf_weight import FORMATS, GgufWeight
+from kernels.gguf_weight import FORMATS, GgufWeight
 from testing.gguf_weights import gguf_weight
 from testing.native_build import CAN_DISASSEMBLE, disassemble
 
