@@ -59,10 +59,10 @@ def copy_repository(source: Path, target: Path, models: list[str] | None = None,
         group = (instances or {}).get(new_name)
         if overrides or group:
             cfg = dest / "config.pbtxt"
-            text = cfg.read_text()
+            text = cfg.read_text(encoding="utf-8")
             if overrides:
                 text = set_parameters(text, overrides)
             if group:
                 text = set_instance_group(text, *group)
-            cfg.write_text(text)
+            cfg.write_text(text, encoding="utf-8")
     return target

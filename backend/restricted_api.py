@@ -45,7 +45,7 @@ def read_key(flag: str | None, path: Path | None, environ: Mapping[str, str] = o
         return check_key(flag, flag_name)
     if path is not None:
         try:
-            text = path.read_text().strip()
+            text = path.read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(f"{flag_name}-file {path}: cannot read it ({exc})") from None
         return check_key(text, f"{flag_name}-file {path}")

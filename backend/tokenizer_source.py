@@ -37,7 +37,7 @@ def read_config_parameters(config_path: Path) -> dict[str, str]:
     from tritonclient.grpc import model_config_pb2
 
     try:
-        config = text_format.Parse(config_path.read_text(), model_config_pb2.ModelConfig())
+        config = text_format.Parse(config_path.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
     except text_format.ParseError as exc:
         raise ValueError(f"{config_path}: {exc}") from None
     return {key: value.string_value for key, value in config.parameters.items()}

@@ -117,7 +117,7 @@ def _read_config(folder: Path, fail) -> dict:
     if not path.is_file():
         raise fail(f"no {CONFIG_FILE}")
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise fail(f"{CONFIG_FILE} is not readable JSON: {exc}") from None
     if not isinstance(config, dict):

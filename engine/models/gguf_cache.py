@@ -61,7 +61,7 @@ def converted_dir_for(gguf: str | os.PathLike) -> Path:
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         _convert(gguf, tmp)
-        (tmp / _DONE_MARKER).write_text(str(gguf) + "\n")
+        (tmp / _DONE_MARKER).write_text(str(gguf) + "\n", encoding="utf-8")
         try:
             os.rename(tmp, target)
         except OSError:

@@ -62,11 +62,15 @@ void gemm_f32_pack(const float *w, int64_t n, int64_t k, float *out, int num_thr
  * on the core's few outstanding-miss slots). */
 static void tile(const float *a, int64_t k, const float *b, const float *bias, float *c,
                  int64_t ldc, int rows, int cols, const char *pf, int64_t pf_bytes) {
+    /* Callers never pass more than MR rows; saying so lets gcc see that the write-back
+     * below stays inside a caller's MR-row block (it warned -Wstringop-overflow on
+     * gemm_gguf_f32's block[NR * MR] at -march=native without it). */
+    if (rows > MR || cols > NR) __builtin_unreachable();
     float out[MR][NR];
-    const int64_t pf_lines = (pf_bytes + 63) / 64;
-    const int64_t step = pf_lines == 0 ? k : (k / pf_lines > 0 ? k / pf_lines : 1);
     int64_t pf_at = 0;
 #if defined(__AVX2__) && defined(__FMA__)
+    const int64_t pf_lines = (pf_bytes + 63) / 64;
+    const int64_t step = pf_lines == 0 ? k : (k / pf_lines > 0 ? k / pf_lines : 1);
     /* A short tile repeats its first row: same work, results dropped. */
     const float *a0 = a, *a1 = a + (rows > 1 ? 1 : 0) * k, *a2 = a + (rows > 2 ? 2 : 0) * k;
     const float *a3 = a + (rows > 3 ? 3 : 0) * k, *a4 = a + (rows > 4 ? 4 : 0) * k;

@@ -187,7 +187,10 @@ static void q4_row_tile(const uint8_t *qw, const float *dw, int64_t nblk, const 
                         const float *xs, const float *xs_pairs, int64_t k, int rows,
                         float out[4]) {
     const int64_t npairs = nblk / 2;
-    const __m256i mask = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+#if !(defined(__AVX512VNNI__) && defined(__AVX512VL__))
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                      _mm256_setzero_ps()};
     for (int64_t p = 0; p < npairs; p++) {

@@ -32,7 +32,9 @@ SOURCES = sorted(Path(__file__).parent.glob("*.c"))
 # -ffast-math is for compiling only: gcc links crtfastmath.o into anything *linked*
 # with it, and that object turns on flush-to-zero for the whole process at load time,
 # silently changing torch's numerics. Hence two steps.
-COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp", "-c"]
+# -Wno-psabi: the baseline build passes vector types between static functions, where the
+# ABI note gcc prints for them cannot matter.
+COMPILE_FLAGS = ["-O3", "-ffast-math", "-fPIC", "-fopenmp", "-Wno-psabi", "-c"]
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 _DTYPES = {torch.bfloat16: 1, torch.float32: 0}
 
@@ -51,10 +53,14 @@ def build_shared(compiler: str, compile_flags: list[str], sources: list[Path], w
     commands = [[compiler, *compile_flags, str(src), "-o", obj]
                 for src, obj in zip(sources, objects)]
     commands.append([compiler, *objects, *LINK_FLAGS, "-o", lib_path])
+    # LC_ALL=C keeps gcc's messages plain ASCII, and the bytes are decoded as UTF-8 with
+    # replacement whatever the locale: inside Triton's python stub the locale decodes
+    # ASCII, and gcc's curly quotes in a mere warning made the first build raise there.
+    env = {**os.environ, "LC_ALL": "C"}
     for cmd in commands:
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, capture_output=True, env=env)
         if result.returncode != 0:
-            return result.stderr.strip()
+            return result.stderr.decode("utf-8", errors="replace").strip()
     return None
 
 
