@@ -14,7 +14,10 @@ differ by at most 2 * U, where U is the largest counter increase one tenant's al
 running requests can still cause after its counter stopped being the lowest: at most
 max_num_seqs requests of max_model_len tokens, each token costing at most
 max(fair_prefill_weight, fair_decode_weight). tests/engine/core/test_scheduler_fair.py
-measures the gap against it.
+measures the gap against it. While the scheduler's progress anchor lives (a request
+preempted twice, engine/core/scheduler.py), it is neither a victim nor kept waiting
+behind lower counters; that can widen the gap by the anchor's own service: one request
+of at most max_model_len tokens.
 """
 from __future__ import annotations
 

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
+    # vLLM's state of a request whose grammar is still compiling: the engine holds it
+    # (engine/structured_output/waitlist.py) until it can join the scheduler's WAITING.
+    WAITING_FOR_FSM = -1
     WAITING = 0
     RUNNING = 1
     PREEMPTED = 2

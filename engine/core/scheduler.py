@@ -10,7 +10,7 @@ from engine.core.fair_queue import FairQueue
 from engine.core.fair_share import VirtualTokenCounter
 from engine.core.kv_cache import BlockHasher, KVCacheManager
 from engine.core.partial_prefills import LOOKAHEAD, PartialPrefills
-from engine.core.preemption import pick_victim
+from engine.core.preemption import ANCHOR_PREEMPTIONS, pick_victim
 from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
 from engine.core.sched_output import SchedulerOutput, SchedulerStats
@@ -18,6 +18,32 @@ from engine.core.stop_checker import check_stop
 
 
 class Scheduler:
+    """One step per schedule() call; state lives in the requests and the KV manager.
+
+    Progress: once arrivals stop, every request finishes within a bounded number of steps
+    (no livelock) if each alone fits the pool (the engine checks max_model_len against the
+    pool at start-up), under every policy, admission and shield_resumed setting;
+    tests/engine/core/test_scheduler_properties.py checks a step bound. Each step the first
+    request of RUNNING computes a token or someone is preempted (with RUNNING empty, the
+    head of WAITING starts), so what must not happen is preemptions taking back the same
+    work forever; admission="no_evict" never preempts.
+    - fcfs, priority: the policy's first running request is never the victim while another
+      runs (engine/core/preemption.py) and loses that place only by finishing (fcfs: the
+      earliest admitted) or to a request that ranks strictly higher, finitely often (priority:
+      lowest (priority, arrival)). Under fcfs it is also served first, so the run is busy for
+      at most as many steps as its requests have tokens.
+    - fair: the first by tenant counter changes as the counters move, so two tenants can take
+      the pool from each other in turn forever (each preemption evicts the request whose
+      tenant is now ahead, and the recompute puts the other one ahead). So here the request
+      that is preempted for the ANCHOR_PREEMPTIONS-th time while no anchor exists becomes the
+      anchor until it finishes or is aborted: it is never the victim while another request
+      runs, and while it waits nothing else is admitted. Waiting, it gets in once RUNNING,
+      which cannot grow meanwhile, has shrunk or advanced enough; running, it grows by a token
+      each step once the requests admitted before it are done or preempted, and never fails
+      to find a block, because alone it fits. So each anchor finishes, and without one a
+      request can be preempted only ANCHOR_PREEMPTIONS - 1 times before one exists again.
+      The cost: while an anchor lives, victims and admissions may go against the counters."""
+
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  enable_kv_events: bool = False, lora_config: LoRAConfig | None = None) -> None:
         if cache_config.num_kv_blocks is None:
@@ -40,6 +66,8 @@ class Scheduler:
         self.waiting = (make_request_queue(scheduler_config.policy) if self.fair is None
                         else FairQueue(self.fair))
         self.running: list[Request] = []
+        # policy="fair" only: the request the progress rule protects (class docstring).
+        self.anchor: Request | None = None
         self.finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
         self.generation_tokens_total = 0
@@ -84,6 +112,8 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        if request is self.anchor:
+            self.anchor = None
         if self.fair is not None:
             self.fair.leave(request)
         self.finished_req_ids.add(request.request_id)
@@ -126,7 +156,7 @@ class Scheduler:
             while True:
                 if kv.allocate_slots(request, num_new) is not None:
                     break
-                victim = pick_victim(running, cfg, self.num_steps, self.fair)
+                victim = pick_victim(running, cfg, self.num_steps, self.fair, self.anchor)
                 victim_index = running.index(victim)
                 running.pop(victim_index)
                 if victim.request_id in num_scheduled:
@@ -186,7 +216,11 @@ class Scheduler:
         cfg, kv, waiting, running = self.config, self.kv_cache_manager, self.waiting, self.running
         threshold = cfg.long_prefill_token_threshold
         candidates = None
-        if prefills is not None:
+        if self.anchor is not None and self.anchor.status == RequestStatus.PREEMPTED:
+            # The anchor waits: it alone may start (the progress rule), else whoever started
+            # in its place could take the blocks it needs, and the cycle goes on.
+            candidates = iter((self.anchor,))
+        elif prefills is not None:
             candidates = iter(waiting.head(cfg.max_num_seqs + LOOKAHEAD))
         # vLLM's max_loras rule: a request whose adapter would make one too many is passed
         # over (it keeps its place), so requests for adapters already running still start.
@@ -200,7 +234,7 @@ class Scheduler:
                 request = waiting.peek()
             else:
                 request = next(candidates, None)
-                if request is None or prefills.full():
+                if request is None or (prefills is not None and prefills.full()):
                     break
             lora = request.lora_request
             if (loras is not None and lora is not None and lora.lora_int_id not in loras
@@ -256,6 +290,11 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions_total += 1
+        if (self.anchor is None and self.fair is not None
+                and request.num_preemptions >= ANCHOR_PREEMPTIONS):
+            # Preempted again: the counters are trading the pool back and forth; from here
+            # on this request keeps what it gets (the progress rule, class docstring).
+            self.anchor = request
         self.waiting.prepend(request)
 
     # ---- results of a step ----------------------------------------------------

@@ -8,11 +8,13 @@ import pytest
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.fair_queue import FairQueue
 from engine.core.fair_share import VirtualTokenCounter
-from engine.core.request import Request
+from engine.core.preemption import ANCHOR_PREEMPTIONS
+from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.sampling_params import SamplingParams
 from testing.fake_model import FakeModelRunner
 from testing.sched_invariants import check_drained, schedule
+from tests.engine.core.test_scheduler_properties import TWO_TENANTS_TRADING_THE_POOL, spec
 
 MAX_MODEL_LEN = 512
 _IDS = itertools.count()
@@ -172,9 +174,57 @@ def test_preemption_victim_comes_from_the_tenant_with_the_highest_counter():
             victims.extend((rid, dict(counters)) for rid in out.preempted_req_ids)
     drive(s, arrivals, on_step)
     assert victims
+    assert s.anchor is None and all(r.num_preemptions < ANCHOR_PREEMPTIONS for r in
+                                    itertools.chain(*arrivals.values()))  # no exception made
     for rid, counters in victims:
         tenant = "heavy" if rid.startswith("h") else "light"
         assert counters[tenant] == max(counters.values()), (rid, counters)
+
+
+def test_two_tenants_trading_the_pool_both_finish_once_one_is_the_anchor():
+    """The livelock hypothesis found: r0 and r1 need 87 blocks of 52; each preemption
+    evicted the one whose tenant's counter was ahead, and its recompute put the other one
+    ahead, forever. The progress rule (engine/core/scheduler.py): the request preempted a
+    second time becomes the anchor; from then on it is never a victim, and while it waits
+    nothing else starts (r2, whose tenant's counter is the lowest, arrives just then). All
+    finish, with the outputs they get in a pool that holds them all."""
+    sched, cache, specs = TWO_TENANTS_TRADING_THE_POOL
+    specs = specs + [spec(2, 2, arrive_at_step=62, tenant="c")]
+
+    def run(sched, cache):
+        s = Scheduler(sched, cache)
+        runner = FakeModelRunner(cache.num_kv_blocks, cache.block_size)
+        outputs, anchors, held_back, step = {}, [], [], 0
+        while step <= 62 or s.has_unfinished_requests():
+            for i, sp in enumerate(specs):
+                if sp["arrive_at_step"] == step:
+                    s.add_request(Request(f"r{i}", sp["prompt"], sp["params"],
+                                          arrival_time=float(i), tenant=sp["tenant"]))
+            anchor = s.anchor
+            waits = anchor is not None and anchor.status == RequestStatus.PREEMPTED
+            by_counter = s.waiting.peek() if waits else None
+            out, ids = schedule(s)
+            if anchor is not None:
+                assert anchor.request_id not in ids.preempted, step
+            if waits:
+                assert set(ids.new + ids.resumed) <= {anchor.request_id}, step
+                held_back += [(r.request_id, r is by_counter) for r in s.waiting]
+            if s.anchor is not None and s.anchor is not anchor:
+                anchors.append((s.anchor.request_id, s.anchor.num_preemptions))
+            for r in s.update_from_output(out, runner.execute(out)):
+                if r.is_finished:
+                    outputs[r.request_id] = r.output_token_ids
+            step += 1
+            assert step < 1000, "no progress"
+        check_drained(s)
+        return outputs, anchors, held_back
+
+    outputs, anchors, held_back = run(sched, cache)
+    assert anchors == [("r1", ANCHOR_PREEMPTIONS)]
+    assert held_back == [("r2", True)]  # the counters' pick, held back for the anchor
+    roomy, no_anchors, _ = run(SchedulerConfig(max_num_batched_tokens=52, max_model_len=52),
+                               CacheConfig(block_size=1, num_kv_blocks=200))
+    assert outputs == roomy and not no_anchors
 
 
 @pytest.mark.parametrize("bad, message", [

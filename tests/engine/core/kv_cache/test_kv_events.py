@@ -18,7 +18,7 @@ from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from testing.fake_model import FakeModelRunner
-from tests.engine.core.test_scheduler_properties import drive, workloads
+from tests.engine.core.test_scheduler_properties import drive, examples, workloads
 from tuning.kv_index import KVEventIndex, decode_batch
 
 
@@ -160,7 +160,8 @@ def test_stored_removed_and_cleared_events_name_chains_and_skip_duplicates():
     assert engine_set(s) == set()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(0.4), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
 @given(workloads(), st.sampled_from(["builtin", "sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]),
        st.randoms())
 def test_events_rebuild_the_cached_set_after_any_workload(workload, algo, rnd):
