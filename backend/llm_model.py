@@ -29,7 +29,8 @@ class LLMModel(EngineModel):
         # takes it: its template wrote the BOS already.
         prompt_ids = self.tokenizer.encode(parsed.prompt,
                                            add_special_tokens=parsed.add_special_tokens)
-        # Likewise the grammar (tens of ms cold): the engine thread then finds it cached.
+        # Likewise the structured-output spec's limits and parse; its compile (seconds
+        # for a large schema) runs later on the compiler's own thread.
         compile_structured_output(self.engine.grammar_compiler, parsed.params)
         lora = (None if parsed.lora_name is None
                 else self.lora_request(parsed.lora_name, parsed.lora_path))

@@ -20,9 +20,13 @@ from engine.outputs import RequestOutput
 from engine.sample.sampler import SamplingError
 from engine.sampling_params import SamplingParams
 from engine.startup import start_engine
-from engine.structured_output.grammar import RequestGrammar
+from engine.structured_output.waitlist import GrammarWaitlist
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to run but compiling grammars waits for one before it
+# returns, so its caller still looks for new requests and cancellations that often.
+GRAMMAR_WAIT_S = 0.02
 
 
 @dataclass(slots=True)
@@ -47,12 +51,15 @@ class EngineStats:
 
 class EngineStepError(RuntimeError):
     """A step failed; the requests it was computing were aborted (listed here). `fatal`:
-    no later step can succeed either (a tensor-parallel worker is gone)."""
+    no later step can succeed either (a tensor-parallel worker is gone). `bad_request`:
+    the requests themselves were at fault (their grammar did not compile), not the engine."""
 
-    def __init__(self, message: str, failed_request_ids: list[str], fatal: bool = False) -> None:
+    def __init__(self, message: str, failed_request_ids: list[str], fatal: bool = False,
+                 bad_request: bool = False) -> None:
         super().__init__(message)
         self.failed_request_ids = failed_request_ids
         self.fatal = fatal
+        self.bad_request = bad_request
 
 
 class LLMEngine:
@@ -79,6 +86,8 @@ class LLMEngine:
         # Owns what each request is handed and when (output kind, stream_interval).
         self.output_processor = OutputProcessor(self.config.scheduler.stream_interval)
         self._parallel = self.output_processor.parallel
+        # Requests whose grammar is compiling, outside the scheduler until it is ready.
+        self._grammar_waitlist = GrammarWaitlist()
         self.prompt_tokens_total = 0
         # What the latest step computed, vLLM's iteration tokens: the prompt tokens it
         # scheduled plus the tokens it sampled (a decode's scheduled token is its sampled
@@ -118,10 +127,12 @@ class LLMEngine:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but the "
                                  "engine was started without enable_lora")
             self.lora.adapter(lora_request)  # loads it now: a bad adapter fails here, alone
-        # Before any sequence exists, so an invalid spec adds nothing; a cache hit when
-        # the backend compiled it already.
-        compiled_grammar = (None if params.structured_outputs is None
-                            else self.grammar_compiler.compile(params.structured_outputs))
+        # Before any sequence exists, so a spec over a limit or invalid adds nothing
+        # (checked here: a look-up when the backend checked it already). The compile runs
+        # on the compiler's thread; the sequences wait for it in the waitlist, and every
+        # other request is scheduled meanwhile.
+        compiling = (None if params.structured_outputs is None
+                     else self.grammar_compiler.compile_async(params.structured_outputs))
         # n > 1: added back to back, so the later children hit the first one's prompt blocks.
         requests = []
         for rid, seq_params in sequences:
@@ -130,12 +141,13 @@ class LLMEngine:
                               cache_salt=cache_salt, detokenizer=IncrementalDetokenizer(
                                   self.tokenizer, token_ids, seq_params),
                               lora_request=lora_request, tenant=tenant)
-            if compiled_grammar is not None:
-                request.grammar = RequestGrammar.start(compiled_grammar)
             if params.max_tokens is None:
                 request.max_tokens = self.config.scheduler.max_model_len - len(token_ids)
-            self.scheduler.add_request(request)
+            if compiling is None:
+                self.scheduler.add_request(request)
             requests.append(request)
+        if compiling is not None:
+            self._grammar_waitlist.add(request_id, compiling, requests)
         self.output_processor.add_request(request_id, prompt_text, token_ids, params, requests)
         # The prompt as received, once per request whatever n is.
         self.prompt_tokens_total += len(token_ids)
@@ -143,18 +155,20 @@ class LLMEngine:
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        aborted = self.scheduler.finish_requests(self._parallel.sequence_ids(request_ids),
-                                                 RequestStatus.FINISHED_ABORTED)
+        sequence_ids = self._parallel.sequence_ids(request_ids)
+        aborted = self.scheduler.finish_requests(sequence_ids, RequestStatus.FINISHED_ABORTED)
+        # A request whose grammar is compiling: dropped, its compile result never read.
+        aborted += self._grammar_waitlist.abort(sequence_ids)
         for request in aborted:
             self.trace.finished(request, cancelled=True)
         self._publish_kv_events()
         return self.output_processor.abort(aborted)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or len(self._grammar_waitlist) > 0
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + len(self._grammar_waitlist)
 
     # ---- one step -------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -170,6 +184,7 @@ class LLMEngine:
             self._publish_kv_events()
 
     def _step(self) -> list[RequestOutput]:
+        self._admit_compiled()
         trace = self.trace
         trace.step_started(self.scheduler.num_preemptions_total)
         sched_out = self.scheduler.schedule()
@@ -194,6 +209,32 @@ class LLMEngine:
         outputs = self.output_processor.process(updated, result.logprobs)
         trace.step_ended(self.scheduler.num_preemptions_total)  # its time includes the outputs
         return outputs
+
+    def _admit_compiled(self) -> None:
+        """Hands the sequences whose grammar is ready to the scheduler. With nothing else
+        to run, waits a little for a compile first rather than return an empty step at
+        once (the caller would spin). A compile that failed after its spec passed the
+        check fails its request alone, before this step schedules anything."""
+        waitlist = self._grammar_waitlist
+        if not len(waitlist):
+            return
+        if not self.scheduler.has_unfinished_requests():
+            waitlist.wait(GRAMMAR_WAIT_S)
+        ready, failed = waitlist.take_done()
+        for request in ready:
+            self.scheduler.add_request(request)
+        if not failed:
+            return
+        sequence_ids = [r.request_id for f in failed for r in f.sequences]
+        client_ids = self._parallel.client_ids(sequence_ids)
+        for failure in failed:
+            logger.error("compiling the grammar of request %s failed", failure.request_id,
+                         exc_info=failure.error)
+            for request in failure.sequences:
+                request.status = RequestStatus.FINISHED_ABORTED
+        self.output_processor.forget(sequence_ids)
+        raise EngineStepError("grammar compile failed: " + "; ".join(
+            f"{f.request_id}: {f.error}" for f in failed), client_ids, bad_request=True)
 
     def _fail_step(self, sched_out: SchedulerOutput, exc: Exception) -> EngineStepError:
         """Abort whom the failure is attributable to and return the error to raise."""
@@ -229,7 +270,8 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         s = self.scheduler.get_stats()
-        return EngineStats(num_running=s.num_running, num_waiting=s.num_waiting,
+        return EngineStats(num_running=s.num_running,
+                           num_waiting=s.num_waiting + len(self._grammar_waitlist),
                            kv_cache_usage=s.kv_cache_usage,
                            prefix_cache_queries=s.prefix_cache_queries,
                            prefix_cache_hits=s.prefix_cache_hits,
@@ -252,7 +294,10 @@ class LLMEngine:
     def close(self) -> None:
         """Release what outlives a step: the tensor-parallel workers (also stopped at
         interpreter exit), the KV-event sockets (their ports) and the trace. Safe to call
-        twice; a constructor that fails half-way has stopped them already."""
+        twice; a constructor that fails half-way has stopped them already. The grammar
+        compiler's thread and xgrammar's state go too, while the interpreter is whole."""
+        if getattr(self, "grammar_compiler", None) is not None:
+            self.grammar_compiler.close()
         if self._tensor_parallel is not None:
             self._tensor_parallel.close()
         if self.kv_events is not None:
