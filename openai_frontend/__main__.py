@@ -45,6 +45,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "multi_lora.json adapters")
     parser.add_argument("--max-model-len", type=int, default=None,
                         help="reported by /tokenize (default: the `llm` model's)")
+    limits = parser.add_argument_group("protection against careless clients")
+    limits.add_argument("--max-sequences-per-request", type=_positive(int), default=256,
+                        metavar="N", help="prompts x n of one request (a completions batch); "
+                                          "more is a 400 (default: %(default)s)")
+    limits.add_argument("--max-request-bytes", type=_positive(int), default=4 * 1024 * 1024,
+                        metavar="BYTES", help="a larger request body is a 413, refused before "
+                                              "it is held in memory (default: %(default)s, 4 MiB)")
+    limits.add_argument("--stream-idle-timeout", type=_seconds, default=30.0, metavar="S",
+                        help="a stream whose client has not read an event for S seconds is "
+                             "cancelled on Triton; 0: never (default: %(default)s)")
+    limits.add_argument("--max-connections", type=_positive(int), default=2048, metavar="N",
+                        help="open connections; one more is answered 503 and closed "
+                             "(default: %(default)s)")
+    limits.add_argument("--header-timeout", type=_positive(float), default=10.0, metavar="S",
+                        help="a connection that has not sent a whole request head in S "
+                             "seconds is closed (default: %(default)s)")
+    limits.add_argument("--timeout-keep-alive", type=_positive(float), default=5.0, metavar="S",
+                        help="an idle keep-alive connection is closed after S seconds "
+                             "(uvicorn's; default: %(default)s)")
+    limits.add_argument("--graceful-shutdown-timeout", type=_seconds, default=5.0, metavar="S",
+                        help="on SIGTERM, requests still running after S seconds are "
+                             "cancelled (default: %(default)s)")
     parser.add_argument("--host", default="0.0.0.0", help="(default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="(default: %(default)s)")
     parser.add_argument("--log-level", default="info",
@@ -60,6 +82,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _seconds(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def server_limits(args: argparse.Namespace):
+    from openai_frontend.server import ServerLimits
+
+    return ServerLimits(args.max_connections, args.header_timeout, args.timeout_keep_alive,
+                        args.graceful_shutdown_timeout)
+
+
 def frontend_options(args: argparse.Namespace,
                      environ: Mapping[str, str] = os.environ) -> FrontendOptions:
     from backend.restricted_api import read_key
@@ -73,14 +119,16 @@ def frontend_options(args: argparse.Namespace,
         tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
         triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len,
         lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
-        runtime_lora_updating=runtime_updating(environ))
+        runtime_lora_updating=runtime_updating(environ),
+        max_sequences_per_request=args.max_sequences_per_request,
+        max_request_bytes=args.max_request_bytes,
+        stream_idle_timeout=args.stream_idle_timeout or None)
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-
     from openai_frontend.app import create_app
     from openai_frontend.chat import load_tokenizer
+    from openai_frontend.server import serve
 
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -91,7 +139,12 @@ def main(argv: list[str] | None = None) -> None:
     tokenizer = load_tokenizer(args.tokenizer)
     app = create_app(args.triton_grpc, args.model, args.served_model_name or args.model, tokenizer,
                      options)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    metrics = app.state.route_metrics
+
+    def refused() -> None:
+        metrics.refused_connections += 1
+
+    serve(app, args.host, args.port, args.log_level, server_limits(args), refused)
 
 
 if __name__ == "__main__":

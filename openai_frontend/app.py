@@ -1,10 +1,13 @@
 """The FastAPI app: OpenAI's routes over the `llm` model, and errors as OpenAI error objects."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -12,6 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.responses import Response
 from starlette.exceptions import HTTPException
 
 from openai_frontend import runtime_lora
@@ -19,7 +23,9 @@ from openai_frontend.auth import ApiKeyMiddleware
 from openai_frontend.chat import render_chat
 from openai_frontend.errors import APIError, bad_request, model_not_found
 from openai_frontend.generation import complete
+from openai_frontend.limits import BodyLimitMiddleware, ClientGone, unless_disconnected
 from openai_frontend.mapping import chat_request, completion_request
+from openai_frontend.metrics_proxy import RouteMetrics, metrics_response
 from openai_frontend.options import FrontendOptions
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
 from openai_frontend.responses import ChatFormat, CompletionFormat, OutputFormat
@@ -35,6 +41,13 @@ log = logging.getLogger("openai_frontend")
 def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: Any,
                options: FrontendOptions | None = None) -> FastAPI:
     options = options or FrontendOptions()
+    route_metrics = RouteMetrics()
+    # Tokenizing and chat templates take CPU seconds on a large body: never on the loop.
+    tokenizer_pool = ThreadPoolExecutor(options.tokenizer_threads, thread_name_prefix="tokenizer")
+
+    async def off_loop(fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(
+            tokenizer_pool, functools.partial(fn, *args))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -47,14 +60,18 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         try:
             yield
         finally:
+            tokenizer_pool.shutdown(wait=False, cancel_futures=True)
             await app.state.llm.close()
             await app.state.http.close()
 
     app = FastAPI(title="triton-llm-engine OpenAI-compatible API", lifespan=lifespan)
+    app.state.route_metrics = route_metrics
     created = int(time.time())
     _install_error_handlers(app)
     if options.api_keys:
         app.add_middleware(ApiKeyMiddleware, keys=options.api_keys)
+    # Added last, so outermost: nothing reads a body past the limit.
+    app.add_middleware(BodyLimitMiddleware, limit=options.max_request_bytes)
 
     adapters = ServedAdapters(options.lora_modules)
 
@@ -84,11 +101,31 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
                 request.app.state.llm, tokenizer)
         return request.app.state.max_model_len
 
+    def check_sequences(num_prompts: int, n: int | None) -> None:
+        limit = options.max_sequences_per_request
+        if num_prompts * (n or 1) > limit:
+            raise bad_request(
+                f"{num_prompts} prompt(s) x n={n or 1} asks for {num_prompts * (n or 1)} "
+                f"sequences; this server takes at most {limit} per request "
+                "(--max-sequences-per-request)", "prompt" if num_prompts > 1 else "n")
+
+    def stalled() -> None:
+        route_metrics.cancelled["stream_not_read"] += 1
+
     async def answer(request: Request, triton_request, fmt: OutputFormat):
+        """The answer, or the Triton requests cancelled as soon as the client leaves
+        (while a whole answer is being made, or before a stream's first event)."""
         llm: TritonLLM = request.app.state.llm
         if triton_request.stream:
-            return await stream_response(llm, triton_request, fmt)
-        return await complete(llm, triton_request, fmt)
+            work = stream_response(llm, triton_request, fmt, options.stream_idle_timeout,
+                                   stalled)
+        else:
+            work = complete(llm, triton_request, fmt)
+        try:
+            return await unless_disconnected(request, work)
+        except ClientGone:
+            route_metrics.cancelled["client_disconnected"] += 1
+            return Response(status_code=499)  # nobody reads it
 
     @app.get("/health")
     async def health(request: Request):
@@ -110,6 +147,7 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         triton_request = with_adapter(completion_request(body), body.model)
+        check_sequences(len(triton_request.prompts), body.n)
         echo = [p for p in triton_request.prompts for _ in range(body.n or 1)] if body.echo else None
         return await answer(request, triton_request, CompletionFormat(body.model, echo=echo))
 
@@ -118,8 +156,10 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         check_model(body.model)
         plan, constraint = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls,
                                       options.tool_calls)
-        prompt = render_chat(tokenizer, body.messages, body.add_generation_prompt,
-                             body.continue_final_message, body.chat_template_kwargs, body.tools)
+        check_sequences(1, body.n)
+        prompt = await off_loop(render_chat, tokenizer, body.messages, body.add_generation_prompt,
+                                body.continue_final_message, body.chat_template_kwargs,
+                                body.tools)
         triton_request = with_adapter(chat_request(
             body, prompt, constraint,
             keep_special_tokens=plan is not None and plan.keeps_special_tokens), body.model)
@@ -131,13 +171,13 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     async def tokenize_route(body: TokenizeRequest, request: Request):
         if body.model is not None:
             check_model(body.model)
-        return tokenize(tokenizer, body, await max_model_len(request))
+        return await off_loop(tokenize, tokenizer, body, await max_model_len(request))
 
     @app.post("/detokenize")
     async def detokenize_route(body: DetokenizeRequest):
         if body.model is not None:
             check_model(body.model)
-        return detokenize(tokenizer, body)
+        return await off_loop(detokenize, tokenizer, body)
 
     if options.runtime_lora_updating:
         log.warning("LoRA loading and unloading at run time is on (%s): any client may "
@@ -148,12 +188,10 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     async def version():
         return {"version": _version()}
 
-    if options.triton_metrics_url:
-        from openai_frontend.metrics_proxy import triton_metrics
-
-        @app.get("/metrics")
-        async def metrics(request: Request):
-            return await triton_metrics(request.app.state.http, options.triton_metrics_url)
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        return await metrics_response(request.app.state.http, options.triton_metrics_url,
+                                      route_metrics)
 
     return app
 

@@ -1,8 +1,9 @@
 """--api-key: requests under /v1 need `Authorization: Bearer <one of the keys>`.
 
-vLLM's rule (vllm/entrypoints/serve/middleware/authenticate.py, 0.32): only the /v1
-prefix is guarded (here: the OpenAI routes); /health, /metrics, /version, /tokenize and
-/detokenize stay open, and OPTIONS (CORS preflight) always passes. vLLM answers
+vLLM's rule (vllm/entrypoints/serve/middleware/authenticate.py, 0.32) guards only the /v1
+prefix; here /tokenize and /detokenize are guarded too (stricter than vLLM: they run the
+tokenizer on whatever a client sends, CPU seconds for a large body), while /health,
+/metrics and /version stay open, and OPTIONS (CORS preflight) always passes. vLLM answers
 {"error": "Unauthorized"}; here the 401 is an OpenAI error object, which the openai
 client raises as AuthenticationError. Keys are compared by digest in constant time."""
 from __future__ import annotations
@@ -16,7 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from openai_frontend.errors import APIError
 
-GUARDED_PREFIXES = ("/v1",)
+GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 ENV_VAR = "VLLM_API_KEY"
 
 

@@ -25,3 +25,12 @@ class FrontendOptions:
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter
     # exist (openai_frontend/runtime_lora.py).
     runtime_lora_updating: bool = False
+    # --max-sequences-per-request: prompts x n of one request (a completions batch).
+    max_sequences_per_request: int = 256
+    # --max-request-bytes: a larger body is refused with 413 before it is held in memory.
+    max_request_bytes: int = 4 * 1024 * 1024
+    # --stream-idle-timeout: a stream whose client has not taken an event for this long
+    # (the send stays blocked) is cancelled; None: never.
+    stream_idle_timeout: float | None = 30.0
+    # Threads that tokenize and render chat templates, off the event loop.
+    tokenizer_threads: int = 2

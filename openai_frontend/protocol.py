@@ -13,6 +13,8 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from openai_frontend.errors import bad_request
+
 log = logging.getLogger("openai_frontend")
 
 
@@ -29,6 +31,54 @@ class _Lenient(BaseModel):
             if ignored:
                 log.warning("%s: ignored unknown fields %s", cls.__name__, ignored)
         return result
+
+
+def lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """(where, which) of the first lone surrogate in a parsed JSON body, else None. JSON's
+    `\\ud800` escape parses to one in Python; it is no character, and UTF-8 (gRPC,
+    the tokenizer) cannot encode it."""
+    # (parent path, key or index, value); a path is only spelled out for the culprit.
+    stack: list[tuple[str, Any, Any]] = [("", None, data)]
+    while stack:
+        parent, key, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return _path(parent, key) or "body", f"\\u{ord(value[exc.start]):04x}"
+        elif isinstance(value, dict):
+            where = _path(parent, key)
+            for k, item in value.items():
+                stack.append((where, None, k))
+                stack.append((where, k, item))
+        elif isinstance(value, list):
+            where = _path(parent, key)
+            stack.extend((where, i, item) for i, item in enumerate(value)
+                         if isinstance(item, (str, dict, list)))
+    return None
+
+
+def _path(parent: str, key: Any) -> str:
+    if key is None:
+        return parent
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else str(key)
+
+
+class _Body(_Lenient):
+    """A whole request body: refused with a 400 naming the field when a string holds a
+    lone surrogate (never a 500 later, where the text is encoded)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found:
+            where, which = found
+            raise bad_request(f"{where}: a lone surrogate ({which}) is not Unicode text; "
+                              "send valid UTF-8", where.split(".")[0].split("[")[0])
+        return data
 
 
 class StreamOptions(_Lenient):
@@ -52,7 +102,7 @@ class ResponseFormat(_Lenient):
     json_schema: JsonSchema | None = None
 
 
-class CommonFields(_Lenient):
+class CommonFields(_Body):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -112,14 +162,14 @@ class ChatCompletionRequest(CommonFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class LoadLoRAAdapterRequest(_Lenient):
+class LoadLoRAAdapterRequest(_Body):
     lora_name: str
     lora_path: str
     load_inplace: bool = False
     is_3d_lora_weight: bool = False
 
 
-class UnloadLoRAAdapterRequest(_Lenient):
+class UnloadLoRAAdapterRequest(_Body):
     lora_name: str
     # vLLM's field; the name alone selects the adapter there too.
     lora_int_id: int | None = None

@@ -2,11 +2,14 @@
 per Triton response that adds something, an optional usage chunk, then `data: [DONE]`."""
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections import defaultdict
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi.responses import StreamingResponse
+from starlette.types import Message, Receive, Scope, Send
 
 from openai_frontend.errors import APIError
 from openai_frontend.generation import responses
@@ -14,14 +17,54 @@ from openai_frontend.mapping import TritonRequest
 from openai_frontend.responses import ChoiceState, OutputFormat, usage
 from openai_frontend.triton_client import Chunk, TritonLLM
 
+log = logging.getLogger("openai_frontend")
+
 
 def sse(payload: dict[str, Any] | str) -> str:
     data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
     return f"data: {data}\n\n"
 
 
-async def stream_response(llm: TritonLLM, request: TritonRequest,
-                          fmt: OutputFormat) -> StreamingResponse:
+class _Stalled(Exception):
+    pass
+
+
+class GuardedStream(StreamingResponse):
+    """A StreamingResponse whose events are given up on when one send stays blocked for
+    `idle_timeout` seconds: the client has stopped reading and the socket's buffers are
+    full. The events' iterator is then closed, which cancels the Triton requests behind
+    it, and the connection is dropped. The iterator is closed on every way out, so a
+    client that disconnects frees its requests at once too."""
+
+    def __init__(self, content: AsyncIterator[str], idle_timeout: float | None,
+                 on_stalled: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._events = content
+        self._idle_timeout = idle_timeout
+        self._on_stalled = on_stalled
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        timeout = self._idle_timeout
+
+        async def guarded_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), timeout)
+            except asyncio.TimeoutError:
+                raise _Stalled() from None
+
+        try:
+            await super().__call__(scope, receive, send if timeout is None else guarded_send)
+        except _Stalled:
+            # Returning with the response unfinished makes uvicorn close the connection.
+            log.warning("stream not read for %s s: cancelled (--stream-idle-timeout)", timeout)
+            self._on_stalled()
+        finally:
+            await self._events.aclose()
+
+
+async def stream_response(llm: TritonLLM, request: TritonRequest, fmt: OutputFormat,
+                          idle_timeout: float | None = None,
+                          on_stalled: Callable[[], None] = lambda: None) -> StreamingResponse:
     """Waits for Triton's first response before answering, so a request Triton refuses
     (a bad parameter, server busy) gets its HTTP error status rather than a 200 stream
     that carries the error."""
@@ -33,8 +76,9 @@ async def stream_response(llm: TritonLLM, request: TritonRequest,
     except BaseException:
         await source.aclose()
         raise
-    return StreamingResponse(events(first, source, request, fmt), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return GuardedStream(events(first, source, request, fmt), idle_timeout, on_stalled,
+                         media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def events(first: tuple[int, Chunk] | None, rest: AsyncIterator[tuple[int, Chunk]],

@@ -13,17 +13,17 @@ from pydantic import Field
 
 from openai_frontend.chat import render_chat
 from openai_frontend.errors import bad_request
-from openai_frontend.protocol import _Lenient
+from openai_frontend.protocol import _Body
 
 
-class TokenizeCompletionRequest(_Lenient):
+class TokenizeCompletionRequest(_Body):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
     return_token_strs: bool | None = False
 
 
-class TokenizeChatRequest(_Lenient):
+class TokenizeChatRequest(_Body):
     model: str | None = None
     messages: list[dict[str, Any]]
     add_generation_prompt: bool = True
@@ -37,7 +37,7 @@ class TokenizeChatRequest(_Lenient):
 TokenizeRequest = Union[TokenizeCompletionRequest, TokenizeChatRequest]
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int] = Field(...)
 

@@ -118,7 +118,9 @@ def test_every_operation_no_500_and_every_error_is_an_openai_error(route_schema)
 
 def test_without_the_key_every_v1_operation_is_a_401_openai_error(fuzzed_route):
     for method, path in (("get", "/v1/models"), ("get", f"/v1/models/{SERVED}"),
-                         ("post", "/v1/completions"), ("post", "/v1/chat/completions")):
+                         ("post", "/v1/completions"), ("post", "/v1/chat/completions"),
+                         # stricter than vLLM: the tokenizer routes need the key too
+                         ("post", "/tokenize"), ("post", "/detokenize")):
         response = getattr(requests, method)(f"{fuzzed_route}{path}", timeout=10, json={})
         assert response.status_code == 401, (path, response.text)
         assert_openai_error(response)

@@ -1,5 +1,5 @@
 """The route's service endpoints over HTTP, with no Triton behind it: --api-key (401 as
-an OpenAI error, only /v1 guarded, as vLLM), /tokenize /detokenize /version in vLLM's
+an OpenAI error; /v1 guarded as in vLLM, and /tokenize /detokenize too), /tokenize /detokenize /version in vLLM's
 shapes, /metrics passing Triton's text through, unknown fields ignored, tools accepted.
 Triton's metrics endpoint is stood in for by a local HTTP server serving fixed text."""
 from __future__ import annotations
@@ -96,14 +96,19 @@ def test_v1_needs_one_of_the_keys(service):
     assert [m.id for m in client.models.list().data] == ["served"]
 
 
-def test_routes_outside_v1_stay_open_as_in_vllm(service):
+def test_health_version_metrics_stay_open_tokenize_needs_the_key(service):
     assert requests.get(f"{service}/version", timeout=10).json() == {"version": "0.1.0"}
     assert requests.get(f"{service}/openapi.json", timeout=10).status_code == 200
     # vLLM takes the scheme in any case, as RFC 7235 has it.
     headers = {"Authorization": f"bearer {KEYS[0]}"}
     assert requests.get(f"{service}/v1/models", headers=headers, timeout=10).status_code == 200
     assert requests.get(f"{service}/health", timeout=10).status_code == 503  # Triton is down
-    assert requests.post(f"{service}/detokenize", json={"tokens": [1]}, timeout=10).status_code == 200
+    assert requests.get(f"{service}/metrics", timeout=10).status_code == 200
+    # Stricter than vLLM: the tokenizer runs on what a client sends.
+    for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        r = requests.post(f"{service}{route}", json=body, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert requests.post(f"{service}{route}", json=body, headers=auth(), timeout=10).status_code == 200
 
 
 def test_api_key_flag_wins_over_the_env_var():
@@ -118,33 +123,34 @@ def test_api_key_flag_wins_over_the_env_var():
         parse_args(["--tool-call-parser", "nonesuch"])
 
 
-def test_metrics_are_tritons_text_untouched(service):
+def test_metrics_are_tritons_text_then_the_routes_counters(service):
     r = requests.get(f"{service}/metrics", timeout=10)
-    assert r.status_code == 200 and r.text == METRICS
+    assert r.status_code == 200 and r.text.startswith(METRICS)
+    assert 'openai_frontend:requests_cancelled_total{reason="stream_not_read"} 0' in r.text
     assert r.headers["content-type"].startswith("text/plain")
 
 
 def test_tokenize_a_prompt_and_a_chat(service, tokenizer):
-    r = requests.post(f"{service}/tokenize", json={"prompt": "Hello world", "return_token_strs": True},
+    r = requests.post(f"{service}/tokenize", headers=auth(), json={"prompt": "Hello world", "return_token_strs": True},
                       timeout=10).json()
     ids = tokenizer("Hello world")["input_ids"]
     assert r == {"count": len(ids), "max_model_len": 2048, "tokens": ids,
                  "token_strs": tokenizer.convert_ids_to_tokens(ids)}
-    r = requests.post(f"{service}/tokenize", json={"model": "served", "messages": USER,
+    r = requests.post(f"{service}/tokenize", headers=auth(), json={"model": "served", "messages": USER,
                                                    "unknown_field": 1}, timeout=10).json()
     prompt = render_chat(tokenizer, USER)
     assert r["tokens"] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
     assert r["token_strs"] is None and r["count"] == len(r["tokens"])
-    r = requests.post(f"{service}/tokenize", json={"model": "other", "prompt": "x"}, timeout=10)
+    r = requests.post(f"{service}/tokenize", headers=auth(), json={"model": "other", "prompt": "x"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
-    assert requests.post(f"{service}/tokenize", json={"prompt": 5}, timeout=10).status_code == 400
+    assert requests.post(f"{service}/tokenize", headers=auth(), json={"prompt": 5}, timeout=10).status_code == 400
 
 
 def test_detokenize(service, tokenizer):
     ids = tokenizer("Bonjour, le monde")["input_ids"]
-    r = requests.post(f"{service}/detokenize", json={"tokens": ids}, timeout=10)
+    r = requests.post(f"{service}/detokenize", headers=auth(), json={"tokens": ids}, timeout=10)
     assert r.json() == {"prompt": tokenizer.decode(ids)}
-    r = requests.post(f"{service}/detokenize", json={"tokens": [len(tokenizer) + 5]}, timeout=10)
+    r = requests.post(f"{service}/detokenize", headers=auth(), json={"tokens": [len(tokenizer) + 5]}, timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
 
 
