@@ -19,9 +19,14 @@ class BackendOptions:
     report_custom_metrics: bool = False
     # finalize lets in-flight requests finish for this long before cancelling them.
     drain_timeout_s: float = 10.0
-    # Requests accepted but not yet running (the backend's inbox plus the engine's
-    # WAITING queue); one more gets UNAVAILABLE "server busy" at once. 0 = unbounded.
+    # Sequences accepted but not yet running (each request counts its `n`: the backend's
+    # inbox plus the engine's WAITING queue); a request whose sequences do not all fit
+    # gets UNAVAILABLE "server busy" at once. 0 = unbounded.
     max_queue_len: int = 1024
+    # A request unfinished this long after it arrived is aborted (CANCELLED), freeing its
+    # slots and KV blocks: Triton's ports tell the backend of a client that stopped
+    # reading only if it cancels. 0 = no deadline (vllm_backend has none).
+    request_deadline_s: float = 0.0
     # vllm_backend's ENABLE_VLLM_HEALTH_CHECK: once the engine thread has died the model
     # asks Triton to unload it (needs --model-control-mode=explicit), so /ready says no.
     enable_health_check: bool = False
@@ -38,6 +43,7 @@ _BACKEND_KEYS = {
     "REPORT_CUSTOM_METRICS": "report_custom_metrics",
     "DRAIN_TIMEOUT_S": "drain_timeout_s",
     "MAX_QUEUE_LEN": "max_queue_len",
+    "REQUEST_DEADLINE_S": "request_deadline_s",
     "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
     "lora_modules": "lora_modules",
     ALLOW_RUNTIME_LORA_UPDATING: "allow_runtime_lora_updating",

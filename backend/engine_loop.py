@@ -3,7 +3,10 @@ each request's output to its Triton response sender, and handles cancellation an
 engine failures. Only this thread touches the engine after start-up.
 
 Admission control sits in front of it: `refusal()` is asked before a request is even
-parsed, and says UNAVAILABLE once MAX_QUEUE_LEN requests wait or the loop has died. An
+parsed, and says UNAVAILABLE once MAX_QUEUE_LEN sequences wait or the loop has died;
+`submit` admits a request only if all of its `n` sequences fit under MAX_QUEUE_LEN. With
+REQUEST_DEADLINE_S a request still unfinished that long after its arrival is aborted (a
+client that never reads holds its slots otherwise: the backend only sees cancellation). An
 exception escaping the loop outside engine.step() ends the thread, but never silently:
 every queued and in-flight request gets UNAVAILABLE, so does every later one, and
 `on_death` lets the model report itself unhealthy."""
@@ -20,6 +23,8 @@ from backend.inflight import Inflight, record_timings
 from backend.metrics import StepMetrics
 from backend.response_worker import ResponseWorker
 
+UNHEALTHY = "Model is unavailable due to unhealthy vLLM engine"
+
 
 class EngineLoop:
     """`make_engine` runs on the engine thread: every torch op, the model load and its
@@ -31,18 +36,21 @@ class EngineLoop:
 
     def __init__(self, make_engine: Callable[[], Any], worker: ResponseWorker,
                  collect_metrics: bool, max_queue_len: int = 0, fail_at_step: int = 0,
-                 on_death: Callable[[str], None] | None = None) -> None:
+                 on_death: Callable[[str], None] | None = None,
+                 request_deadline_s: float = 0.0) -> None:
         self._worker = worker
         self._collect_metrics = collect_metrics
         self._max_queue_len = max_queue_len
+        self._deadline_s = request_deadline_s  # 0: none
         self._fail_at_step = fail_at_step  # test-only: raise outside step() after this step
         self._on_death = on_death
         self._cond = threading.Condition()
         # Guarded by _cond: the inbox, the counters and the stop/death state.
         self._inbox: collections.deque[Inflight] = collections.deque()
-        # Requests accepted but not running yet: the inbox plus the engine's WAITING
-        # queue as of the last step (counted up at once on submit, so a burst between
-        # two steps cannot overshoot).
+        # Sequences accepted but not running yet: every inbox request's `n` plus the
+        # engine's WAITING queue (one entry a sequence) as of the last step, counted up at
+        # once on submit, so a burst between two steps cannot overshoot. Counting requests
+        # let 100 requests with n=16 queue 1536 sequences under MAX_QUEUE_LEN=1024.
         self._num_queued = 0
         self._num_rejected = 0  # refused as "server busy" since the last metrics record
         self._num_cancelled = 0  # engine thread only: cancelled since the last record
@@ -53,6 +61,10 @@ class EngineLoop:
         # here, not in a local, so a loop that dies mid-admission still answers them).
         self._pending: collections.deque[Inflight] = collections.deque()
         self._active: dict[str, Inflight] = {}
+        # Engine thread only: this step's FINAL responses (sender, tensors, request id),
+        # sent once the step's metrics are recorded, so a scrape right after a request's
+        # last response counts it (vllm_backend's metrics test reads them at once).
+        self._finals: list[tuple[Any, Any, str]] = []
         self._num_steps = 0
         self._built = threading.Event()
         self._build_error: BaseException | None = None
@@ -73,28 +85,45 @@ class EngineLoop:
                 return closed
             if self._max_queue_len and self._num_queued >= self._max_queue_len:
                 self._num_rejected += 1
-                return (f"server busy: {self._num_queued} requests already queued "
-                        f"(MAX_QUEUE_LEN={self._max_queue_len}); retry later")
+                return self._busy(1)
         return None
 
+    def _busy(self, num_seqs: int) -> str:
+        # Caller holds _cond.
+        return (f"server busy: {self._num_queued} sequences already queued, this request needs "
+                f"{num_seqs} (MAX_QUEUE_LEN={self._max_queue_len}); retry later")
+
     def submit(self, request: Inflight) -> None:
+        """Queues the request, or answers it at once: UNAVAILABLE when the loop is closed or
+        its `n` sequences do not all fit under MAX_QUEUE_LEN now, INVALID_ARG when they
+        never can."""
+        num_seqs = max(1, request.params.n)
+        code = triton_io.UNAVAILABLE
         with self._cond:
-            closed = self._closed_reason()
-            if closed is None:
+            reason = self._closed_reason()
+            if reason is None and self._max_queue_len:
+                if num_seqs > self._max_queue_len:
+                    reason, code = (f"n={num_seqs} sequences exceed the queue's capacity "
+                                    f"(MAX_QUEUE_LEN={self._max_queue_len})"), triton_io.INVALID_ARG
+                elif self._num_queued + num_seqs > self._max_queue_len:
+                    self._num_rejected += 1
+                    reason = self._busy(num_seqs)
+            if reason is None:
                 self._inbox.append(request)
-                self._num_queued += 1
+                self._num_queued += num_seqs
                 self._cond.notify()
                 return
-        self._worker.send_error(request.sender, closed, triton_io.UNAVAILABLE)
+        self._worker.send_error(request.sender, reason, code)
 
     def _closed_reason(self) -> str | None:
         # Caller holds _cond.
+        # vllm_backend's text leads (its clients match it), ours follows.
         if self._death is not None:
-            return f"model is unavailable: its engine stopped ({self._death})"
+            return f"{UNHEALTHY}: its engine stopped ({self._death})"
         if self._stopping:
             return "model is shutting down"
         if not self._thread.is_alive():
-            return "model is unavailable: its engine thread is not running"
+            return f"{UNHEALTHY}: its engine thread is not running"
         return None
 
     def stop(self, drain_timeout_s: float) -> None:
@@ -148,6 +177,8 @@ class EngineLoop:
                                triton_io.UNAVAILABLE)
                     return
             self._poll_cancellations()
+            if self._deadline_s:
+                self._expire()
             if self._active and not self.engine.has_unfinished_requests():
                 # Never spin: requests the engine no longer knows would wait forever.
                 self._fail(list(self._active), "engine dropped the request without finishing it",
@@ -163,17 +194,24 @@ class EngineLoop:
             # Also after aborts without a step, so KV usage drops to 0 on the dashboard.
             stats = self.engine.get_stats()
             with self._cond:
-                self._num_queued = len(self._inbox) + stats.num_waiting
+                self._num_queued = sum(max(1, r.params.n) for r in self._inbox) + stats.num_waiting
                 step.num_rejected, self._num_rejected = self._num_rejected, 0
             step.num_cancelled, self._num_cancelled = self._num_cancelled, 0
             if self._collect_metrics:
                 step.stats = stats
                 self._worker.record(step)
+            self._send_finals()
+
+    def _send_finals(self) -> None:
+        finals, self._finals = self._finals, []
+        for sender, tensors, request_id in finals:
+            self._worker.send(sender, tensors, final=True, request_id=request_id)
 
     def _die(self, exc: BaseException) -> None:
         """The loop cannot go on: fail everything it holds and everything that comes later
         with UNAVAILABLE (the engine is left alone: its state is suspect)."""
         reason = f"{type(exc).__name__}: {exc}"
+        self._send_finals()  # those requests finished: their answers stand
         triton_io.log_error(f"engine loop died; failing {len(self._active)} in-flight and all later "
                             f"requests with UNAVAILABLE: {traceback.format_exc()}")
         with self._cond:
@@ -217,12 +255,29 @@ class EngineLoop:
             self._worker.unwatch(request_id)
         return request
 
+    def _expire(self) -> None:
+        # Arrival is Triton's (time.monotonic() in execute): the deadline covers the queue.
+        limit = time.monotonic() - self._deadline_s
+        expired = [rid for rid, r in self._active.items() if r.arrival < limit]
+        if not expired:
+            return
+        self.engine.abort_request(expired)
+        self._num_cancelled += len(expired)  # finished_reason=abort, as a cancellation
+        for request_id in expired:
+            request = self._retire(request_id)
+            self._worker.send_error(
+                request.sender, f"Request was cancelled: it ran past its deadline "
+                f"(REQUEST_DEADLINE_S={self._deadline_s:g})", triton_io.CANCELLED, request_id)
+
     def _poll_cancellations(self) -> None:
         # The worker thread does the is_cancelled() round trips; here only the result.
         cancelled = [r for r in self._worker.take_cancelled() if r in self._active]
         if not cancelled:
             return
+        # vllm_backend's log lines around an abort (its CI tests look for them).
+        triton_io.log_info(f"[vllm] Cancelling the request ({', '.join(cancelled)})")
         self.engine.abort_request(cancelled)
+        triton_io.log_info("[vllm] Successfully cancelled the request")
         self._num_cancelled += len(cancelled)  # vLLM's request_success{finished_reason=abort}
         for request_id in cancelled:
             request = self._retire(request_id)
@@ -250,7 +305,8 @@ class EngineLoop:
             failed = list(self._active) if failed is None else [r for r in failed if r in self._active]
             triton_io.log_error(f"engine step failed; failing {len(failed)} in-flight "
                                 f"request(s): {traceback.format_exc()}")
-            self._fail(failed, f"engine step failed: {exc}", triton_io.INTERNAL)
+            code = triton_io.INVALID_ARG if getattr(exc, "bad_request", False) else triton_io.INTERNAL
+            self._fail(failed, f"engine step failed: {exc}", code)
             if getattr(exc, "fatal", False):
                 raise  # no step can succeed again: the loop dies (and the health check unloads)
             return
@@ -273,8 +329,9 @@ class EngineLoop:
                 self._worker.send_error(request.sender, f"response building failed: {exc}",
                                         triton_io.INTERNAL, out.request_id)
                 continue
-            if tensors is not None or out.finished:
-                self._worker.send(request.sender, tensors, final=out.finished,
-                                  request_id=out.request_id)
+            if out.finished:
+                self._finals.append((request.sender, tensors, out.request_id))
+            elif tensors is not None:
+                self._worker.send(request.sender, tensors, final=False, request_id=out.request_id)
             if out.finished:
                 self._retire(out.request_id)

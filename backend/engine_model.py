@@ -64,7 +64,8 @@ class EngineModel:
                                     collect_metrics=self.options.report_custom_metrics,
                                     max_queue_len=self.options.max_queue_len,
                                     fail_at_step=faults.loop_step,
-                                    on_death=self._on_engine_death)
+                                    on_death=self._on_engine_death,
+                                    request_deadline_s=self.options.request_deadline_s)
         except BaseException:
             self._worker.stop()
             raise
@@ -164,3 +165,11 @@ class EngineModel:
         # as its loop ends.
         self._loop.stop(self.options.drain_timeout_s)
         self._worker.stop()
+        # Everything this model holds goes now, while the stub can still take it back.
+        # The model outlives finalize (the stub keeps it; its engine loop's on_death
+        # refers back to it); once xgrammar was imported (it loads apache-tvm-ffi, and
+        # `import tvm_ffi` alone did the same), Py_FinalizeEx's last garbage collection
+        # freed it, and its Triton MetricFamily objects with it, after the stub had
+        # released its shared memory: Metric::Clear wrote there and the stub segfaulted
+        # while tritonserver still exited 0. Both engine models (llm, tensorrt_llm) run this.
+        self.__dict__.clear()

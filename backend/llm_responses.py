@@ -44,8 +44,11 @@ class LLMResponseBuilder:
                 [np.nan if c.cumulative_logprob is None else c.cumulative_logprob for c in completions],
                 dtype=np.float32)
         if returns.logprobs:
-            tensors["logprobs"] = np.array([self._logprobs_json(c.logprobs) for c in completions],
-                                           dtype=np.object_)
+            # null without a "logprobs" sampling parameter, as vllm_backend sends (vLLM
+            # hands it no logprobs then).
+            tensors["logprobs"] = np.array(
+                [self._logprobs_json(c.logprobs) if self.request.logprobs_asked else b"null"
+                 for c in completions], dtype=np.object_)
         return tensors
 
     def _logprobs_json(self, logprobs: list[dict[int, Logprob]] | None) -> bytes:

@@ -59,13 +59,16 @@ def _modules_from_text(text: str) -> dict[str, str]:
     return modules
 
 
+LORA_NOT_ENABLED = "LoRA feature is not enabled."
+
+
 def resolve_lora_name(adapters: Mapping[str, LoRARequest] | None, name: str) -> LoRARequest:
     """The adapter a request's lora_name selects; ValueError naming it when none does."""
+    # vllm_backend's texts word for word (its clients and CI tests compare them whole; they
+    # name the adapter and the choice): the adapters in multi_lora.json's order.
     if adapters is None:
-        raise ValueError(f"lora_name {name!r}: LoRA is not enabled on this model "
-                         "(enable_lora in model.json or config.pbtxt)")
+        raise ValueError(LORA_NOT_ENABLED)
     adapter = adapters.get(name)
     if adapter is None:
-        raise ValueError(f"lora_name {name!r} is not one of this model's adapters "
-                         f"{sorted(adapters)}")
+        raise ValueError(f"LoRA {name} is not supported, we currently support {list(adapters)}")
     return adapter

@@ -25,6 +25,12 @@ class InvalidRequest(ValueError):
     """A client error: reported as INVALID_ARG, never raised past the backend."""
 
 
+# vllm_backend's error text, word for word: its clients and CI tests compare it whole (the
+# prompt cannot be prepended to a stream of deltas).
+STREAM_WITH_INPUT_ERROR = ("Error generating stream: When streaming, `exclude_input_in_output` "
+                           "= False is not allowed.")
+
+
 # output_kind is not the client's: `stream` decides it (stream_output_kind).
 _SAMPLING_FIELDS = {f.name: str(f.type) for f in dataclasses.fields(SamplingParams)
                     if f.name != "output_kind"}
@@ -74,6 +80,9 @@ class LLMRequest:
     lora_path: str | None = None
     # Under policy=fair, whose share it counts against; None: the tenant "default".
     tenant: str | None = None
+    # Whether sampling_parameters held "logprobs": without it return_logprobs gives null
+    # (vllm_backend and vLLM), though the sampled token's logprob is computed anyway.
+    logprobs_asked: bool = True
 
 
 def stream_output_kind(stream: bool) -> RequestOutputKind:
@@ -161,13 +170,15 @@ def _structured_outputs(name: str, value: Any, kwargs: dict[str, Any]) -> Struct
 
 
 def compile_structured_output(compiler: GrammarCompiler, params: SamplingParams) -> None:
-    """Compile a constrained request's grammar on the calling thread (Triton's execute
-    thread), so the engine thread finds it cached; an invalid schema, regex or grammar
-    is the client's error."""
+    """Check a constrained request's spec on the calling thread (Triton's execute
+    thread): one over a limit (engine/structured_output/limits.py) or that xgrammar
+    cannot parse is the client's error, named. Only the parse runs here (milliseconds
+    within the limits); the engine compiles the token masks on its compiler's thread
+    while other requests run, and finds this parse kept for it."""
     if params.structured_outputs is None:
         return
     try:
-        compiler.compile(params.structured_outputs)
+        compiler.check(params.structured_outputs)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -186,9 +197,47 @@ def load_json_object(name: str, text: str | bytes) -> dict[str, Any]:
         raise InvalidRequest(f"{name} is not valid JSON: {exc.msg} at position {exc.pos}") from None
     except ValueError as exc:  # e.g. an integer literal past Python's 4300-digit limit
         raise InvalidRequest(f"{name} is not valid JSON: {exc}") from None
+    except RecursionError:  # ~1,000 nested arrays or objects (a JSON schema sent as one)
+        raise InvalidRequest(f"{name} nests too deeply to parse") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{name} must be a JSON object, got {type(value).__name__}")
+    try:
+        where = _lone_surrogate(value)
+    except RecursionError:
+        raise InvalidRequest(f"{name} nests too deeply to parse") from None
+    if where is not None:
+        raise InvalidRequest(f"{name}: {where} holds a lone surrogate (a \\ud800-\\udfff escape "
+                             "not paired), which is not Unicode text")
     return value
+
+
+def _is_text(text: str) -> bool:
+    """No lone surrogate: JSON's \\ud800 escape parses to one (a pair is one character)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where in a parsed JSON value a string (a key included) holds a lone surrogate, as
+    'stop[0]' or 'key \'a\''; None if nowhere. Tokenizers and the engine would fail on it."""
+    if isinstance(value, str):
+        return None if _is_text(value) else (path or "the value")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not _is_text(key):
+                return f"key {key!r}" if not path else f"{path}: key {key!r}"
+            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
+            if found is not None:
+                return found
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            found = _lone_surrogate(item, f"{path}[{index}]")
+            if found is not None:
+                return found
+    return None
 
 
 def scalar(name: str, array: np.ndarray | None) -> Any:
@@ -207,6 +256,9 @@ def decode_text(name: str, value: Any) -> str:
         except UnicodeDecodeError:
             raise InvalidRequest(f"{name} is not valid UTF-8") from None
     if isinstance(value, str):
+        if not _is_text(value):
+            raise InvalidRequest(f"{name} holds a lone surrogate (a \\ud800-\\udfff escape "
+                                 "not paired), which is not Unicode text")
         return value
     raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
 
@@ -257,13 +309,13 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)
     if stream and not exclude:
-        raise InvalidRequest("streaming requires exclude_input_in_output=true "
-                             "(the prompt cannot be prepended to a stream of deltas)")
+        raise InvalidRequest(STREAM_WITH_INPUT_ERROR)
     params.output_kind = stream_output_kind(stream)
     returns = ReturnFlags(**{f.name: switches.get(f"return_{f.name}", False)
                              for f in dataclasses.fields(ReturnFlags)})
+    logprobs_asked = params.logprobs is not None
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:
-        # Logprobs of the sampled token cost nothing extra; asking for them is implied.
+        # Logprobs of the sampled token cost nothing extra; cumulative_logprob needs them.
         params.logprobs = 0
     return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special, lora_name,
-                      lora_path, tenant)
+                      lora_path, tenant, logprobs_asked)

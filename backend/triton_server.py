@@ -28,6 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from backend.log_relay import LogRelay
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SERVER_DIR = REPO_ROOT / ".triton" / "server"
 # The Python-based backend of model_repository/llm (`backend: "tle"`).
@@ -158,6 +160,7 @@ class TritonServer:
     _reaper: subprocess.Popen | None = None
     _reaper_pipe: int | None = None
     _stop_sent: bool = False
+    _relay: LogRelay | None = None
 
     @property
     def http_url(self) -> str:
@@ -202,16 +205,18 @@ class TritonServer:
         if self.log_path is not None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = open(self.log_path, "wb")
-            out = self._log_file
+            sink = self._log_file
         else:
-            out = None  # inherit: serve prints the server log on its console
+            sink = sys.stdout.buffer  # serve prints the server log on its console
         self._stop_sent = False
-        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=out,
+        # Through a relay that folds repeated lines (backend/log_relay.py).
+        self.process = subprocess.Popen(self.command(), env=self.environment(), stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, start_new_session=True,
                                         preexec_fn=_die_with_parent(),
                                         # The stub puts the working folder first on sys.path;
                                         # this one holds no Python packages to shadow ours.
                                         cwd=self.server_dir)
+        self._relay = LogRelay(self.process.stdout, sink)
         self._start_reaper(self.process.pid)
         return self
 
@@ -280,6 +285,10 @@ class TritonServer:
                 self.kill()
                 proc.wait(timeout=10)
         self._reap_group()
+        if self._relay is not None:
+            self._relay.join(timeout=5)  # the group is gone: the pipe has closed
+            self._relay = None
+            proc.stdout.close()
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from backend.repository_layout import copy_repository  # noqa: E402
 from backend.restricted_api import http_headers, read_key, tritonserver_flags  # noqa: E402
-from backend.stub_watch import StubDied, StubWatch  # noqa: E402
+from backend.stub_watch import StubDied, StubWatch, describe  # noqa: E402
 from backend.triton_server import REPO_ROOT, ServerPorts, TritonServer, prepare_server_dir  # noqa: E402
 
 ENGINE_MODELS = ("llm", "tensorrt_llm")
@@ -219,11 +219,19 @@ def wait_exit(server: TritonServer, signals: StopSignals, exit_timeout: float,
             return server.process.wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
+        if (watch is not None and signals.stopping and not cut and not signals.killed
+                and time.monotonic() >= next_look):
+            # The stubs go with their models now; one that dies of a signal is still told
+            # (not those serve kills itself: a second signal, the exit timeout).
+            next_look = time.monotonic() + 1.0
+            for stub, status in watch.crashed_while_stopping():
+                print(f"serve: backend stub crashed during the stop: {describe(stub, status)}",
+                      file=sys.stderr, flush=True)
         if watch is not None and not signals.stopping and time.monotonic() >= next_look:
             next_look = time.monotonic() + 1.0
             died = watch.died()
             if died and not signals.stopping:
-                error = StubDied(died)
+                error = StubDied(died, watch.statuses)
                 print(f"serve: backend stub died: {error}; its requests cannot finish inside "
                       "tritonserver: killing tritonserver to end them", file=sys.stderr, flush=True)
                 server.kill()
@@ -303,10 +311,28 @@ def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespa
                   file=sys.stderr, flush=True)
 
 
+def raise_descriptor_limit() -> tuple[int, int]:
+    """Soft RLIMIT_NOFILE up to the hard limit, for serve and so for tritonserver and its
+    stubs: each HTTP/gRPC connection holds a descriptor, and at the usual soft limit (1024)
+    a few thousand idle connections made Triton's HTTP server log accept() errors in a loop
+    (~40 MB/s) with health unanswered until they closed. Returns (before, after)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return soft, hard
+    return soft, soft
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     check_libpython()
+    before, after = raise_descriptor_limit()
+    if after != before:
+        print(f"serve: open-file limit raised from {before} to {after} (the hard limit) for "
+              "tritonserver's connections", file=sys.stderr, flush=True)
     signals = StopSignals()
     signals.install()
     prepare_server_dir()

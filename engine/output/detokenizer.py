@@ -60,7 +60,8 @@ class IncrementalDetokenizer:
 
     One hold-back rule for every consumer: output is released in (tokens, text) pairs that
     line up, at points where every token fed so far has decoded to whole characters, and
-    never past a tail that may begin a stop string. So a stream of released tokens can be
+    never past a tail that may begin a stop string; nothing else is held (a bare space
+    goes out at once). So a stream of released tokens can be
     decoded chunk by chunk (the token path's postprocessing), and a text stream counts its
     tokens exactly. Finishing releases everything."""
 
@@ -76,15 +77,21 @@ class IncrementalDetokenizer:
         self._token_ids = context
         self._prefix_offset = 0
         self._read_offset = len(context)
+        self._streamed = params.output_kind is not RequestOutputKind.FINAL_ONLY
+        # A whole text (FINAL_ONLY) is cleaned up as tokenizer.decode cleans it. A stream is
+        # not, as vLLM's detokenizer (and the token path's postprocessing) never cleans:
+        # cleaning a stream means holding back every text that ends in a space (" ." may
+        # follow), so a bare-space token would ride with the next one, where vLLM streams
+        # ' ' then '1'.
         self._cleanup = (SpaceCleanup(tokenizer.clean_up_tokenization)
-                         if getattr(tokenizer, "clean_up_tokenization_spaces", False) else None)
+                         if getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                         and not self._streamed else None)
         self.output_text = ""
         self.stop_str: str | None = None  # the stop string that ended the text, once matched
         self._num_fed = 0  # output tokens fed
         # (output tokens, characters) at which tokens and text line up, not yet released;
         # not kept for a FINAL_ONLY request, whose one take_delta is the finishing one.
         self._aligned: deque[tuple[int, int]] = deque()
-        self._streamed = params.output_kind is not RequestOutputKind.FINAL_ONLY
         self._released_tokens = 0
         self._released_chars = 0
 

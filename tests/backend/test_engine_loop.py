@@ -176,6 +176,51 @@ def test_queue_bound_refuses_at_once_and_accepts_again_once_drained(make_loop):
         time.sleep(0.01)
 
 
+def test_queue_counts_sequences_and_admits_a_request_only_if_all_its_n_fit(make_loop):
+    """Issue 43: 100 requests with n=16 put 1536 sequences under MAX_QUEUE_LEN=1024."""
+    engine = ScriptedEngine(max_running=1)
+    engine.gate.clear()
+    loop = make_loop(engine, max_queue_len=40)
+    fits, busy, never = Sender(), Sender(), Sender()
+    request = inflight("r0", fits)
+    request.params = SamplingParams(max_tokens=2, n=16)
+    loop.submit(request)
+    loop.submit(inflight("r1", Sender()))  # 17 sequences queued
+    for i in range(2):
+        request = inflight(f"a{i}", Sender())
+        request.params = SamplingParams(max_tokens=2, n=11)
+        loop.submit(request)  # 28, then 39
+    request = inflight("r2", busy)
+    request.params = SamplingParams(max_tokens=2, n=2)  # 41 > 40: refused whole
+    loop.submit(request)
+    assert busy.final.wait(5)
+    assert busy.error.code == "UNAVAILABLE"
+    assert "39 sequences already queued" in busy.error.message and "MAX_QUEUE_LEN=40" in busy.error.message
+    assert loop.refusal() is None  # one more single sequence still fits
+    small = make_loop(ScriptedEngine(), max_queue_len=8)
+    request = inflight("r3", never)
+    request.params = SamplingParams(max_tokens=2, n=9)
+    small.submit(request)
+    assert never.final.wait(5)
+    assert never.error.code == "INVALID_ARG" and "MAX_QUEUE_LEN=8" in never.error.message
+    engine.gate.set()
+    wait_all([fits])
+    assert fits.error is None
+
+
+def test_a_request_past_its_deadline_is_aborted_and_its_slot_freed(make_loop):
+    engine = ScriptedEngine(max_running=1)
+    loop = make_loop(engine, request_deadline_s=0.3)
+    stuck, later = Sender(), Sender()
+    loop.submit(inflight("stuck", stuck, max_tokens=10**9))  # a client that never reads
+    assert stuck.final.wait(10)
+    assert stuck.error.code == "CANCELLED" and "REQUEST_DEADLINE_S=0.3" in stuck.error.message
+    assert "stuck" not in engine.running and "stuck" not in engine.waiting
+    loop.submit(inflight("later", later, max_tokens=2))
+    wait_all([later])
+    assert later.error is None
+
+
 def test_busy_refusals_are_counted_for_the_metric(make_loop):
     class Recorder:
         def __init__(self) -> None:
@@ -253,3 +298,75 @@ def test_cancellation_polls_are_bounded_per_step_and_rotate(monkeypatch):
         assert worker.take_cancelled() == ["r7"]
     finally:
         worker.stop()
+
+
+def test_a_finished_request_is_in_the_metrics_before_its_final_response_leaves(make_loop):
+    """Mirrors vllm_backend's L0_backend_vllm/metrics_test test_vllm_metrics, which scrapes
+    the counters right after the last response: the step that finished a request has its
+    metrics recorded before that request's FINAL response is sent (it was sent first, and
+    a scrape then missed the request for a few milliseconds)."""
+    order: list[tuple[str, object]] = []
+
+    class Recorder:
+        def record(self, step) -> None:
+            order.append(("record", len(step.finished)))
+
+    class OrderedSender(Sender):
+        def send(self, response=None, flags: int = 0) -> None:
+            if flags:
+                order.append(("final", self))
+            super().send(response, flags)
+
+    engine = ScriptedEngine(max_running=2)
+    loop = make_loop(engine, metrics=Recorder())
+    senders = [OrderedSender() for _ in range(2)]
+    for i, sender in enumerate(senders):
+        loop.submit(inflight(f"r{i}", sender, max_tokens=2 + i))
+    wait_all(senders)
+    for sender in senders:
+        final_at = order.index(("final", sender))
+        assert any(kind == "record" and count for kind, count in order[:final_at]), order
+    # Each final follows the record of the step that finished it, not an earlier one.
+    finals = [i for i, (kind, _) in enumerate(order) if kind == "final"]
+    records = [i for i, (kind, count) in enumerate(order) if kind == "record" and count]
+    assert len(records) == 2 and records[0] < finals[0] < records[1] < finals[1], order
+
+
+def test_an_engine_death_reads_as_vllm_backends_unhealthy_engine(make_loop):
+    """Mirrors vllm_backend's L0_check_health_vllm test_vllm_not_healthy: requests after the
+    engine failed get its text ("Model is unavailable due to unhealthy vLLM engine"), ours
+    after it."""
+    engine = ScriptedEngine(max_running=1)
+    loop = make_loop(engine)
+    engine.fail_stats = True
+    sender = Sender()
+    loop.submit(inflight("r0", sender))
+    wait_all([sender])
+    late = Sender()
+    loop.submit(inflight("late", late))
+    wait_all([late])
+    for message in (sender.error.message, late.error.message, loop.refusal()):
+        assert message.startswith("Model is unavailable due to unhealthy vLLM engine: "), message
+        assert "engine stopped" in message and "stats broke" in message
+
+
+def test_a_step_failed_by_a_bad_request_answers_invalid_arg(make_loop):
+    """A grammar that did not compile is the request's fault (INVALID_ARG), not the engine's."""
+    from engine.llm_engine import EngineStepError
+
+    class BadGrammar(ScriptedEngine):
+        def step(self):
+            if "bad" in self.waiting:
+                self.waiting.remove("bad")
+                raise EngineStepError("grammar compile failed: bad: unsupported", ["bad"],
+                                      bad_request=True)
+            return super().step()
+
+    engine = BadGrammar()
+    loop = make_loop(engine)
+    bad, good = Sender(), Sender()
+    loop.submit(inflight("bad", bad))
+    loop.submit(inflight("good", good))
+    wait_all([bad, good])
+    assert bad.error.code == "INVALID_ARG" and "grammar compile failed" in bad.error.message
+    assert good.error is None

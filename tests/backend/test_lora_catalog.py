@@ -26,7 +26,7 @@ def test_lora_path_is_refused_unless_the_model_allows_runtime_adapters():
     assert catalog.resolve("sql") is CONFIGURED["sql"]
     with pytest.raises(ValueError, match=r"lora_path is refused.*allow_runtime_lora_updating=true"):
         catalog.resolve("new", "/loras/new")
-    with pytest.raises(ValueError, match="lora_name 'new' is not one of this model's adapters"):
+    with pytest.raises(ValueError, match="LoRA new is not supported, we currently support"):
         catalog.resolve("new")
 
 

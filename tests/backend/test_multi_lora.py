@@ -38,14 +38,18 @@ def test_bad_files_are_refused_naming_the_problem(tmp_path, data, fragment):
 
 
 def test_an_unknown_name_is_refused_naming_it(tmp_path):
-    write(tmp_path, {"alpaca": "/a", "bactrian": "/b"})
+    """Mirrors vllm_backend's L0_multi_gpu_vllm/multi_lora test_vllm_not_supported_lora and
+    its not-enabled case, which compare the error message whole: vllm_backend's texts, the
+    adapters in multi_lora.json's order."""
+    write(tmp_path, {"sheep": "/s", "doll": "/d"})
     adapters = read_multi_lora(tmp_path)
-    assert resolve_lora_name(adapters, "bactrian").lora_name == "bactrian"
-    with pytest.raises(ValueError, match=r"lora_name 'llama' is not one of this model's adapters "
-                                         r"\['alpaca', 'bactrian'\]"):
+    assert resolve_lora_name(adapters, "doll").lora_name == "doll"
+    with pytest.raises(ValueError) as unknown:
         resolve_lora_name(adapters, "llama")
-    with pytest.raises(ValueError, match="lora_name 'alpaca': LoRA is not enabled"):
-        resolve_lora_name(None, "alpaca")
+    assert str(unknown.value) == "LoRA llama is not supported, we currently support ['sheep', 'doll']"
+    with pytest.raises(ValueError) as off:
+        resolve_lora_name(None, "sheep")
+    assert str(off.value) == "LoRA feature is not enabled."
 
 
 def prompt_tensors(sampling=None):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from backend.request_parsing import (InvalidRequest, compile_structured_output, parse_llm_request,
-                                     parse_sampling_parameters)
+                                     parse_sampling_parameters, load_json_object)
 from engine.sampling_params import RequestOutputKind
 from engine.structured_output.grammar import GrammarCompiler
 
@@ -77,8 +77,58 @@ def test_the_stream_switch_sets_the_output_kind_and_clients_cannot():
 
 
 def test_streaming_with_prompt_prepended_is_an_error():
-    with pytest.raises(InvalidRequest, match="exclude_input_in_output"):
+    """Mirrors vllm_backend's L0_backend_vllm/enabled_stream
+    test_vllm_model_enabled_stream_exclude_input_in_output_false, which compares the
+    message whole."""
+    with pytest.raises(InvalidRequest) as refused:
         parse_llm_request(tensors(stream=True, exclude_input_in_output=False))
+    assert str(refused.value) == ("Error generating stream: When streaming, "
+                                  "`exclude_input_in_output` = False is not allowed.")
+
+
+@pytest.mark.parametrize("where,make", [
+    ("text_input", lambda: {"text_input": np.array(["a\ud800b"], dtype=np.object_)}),
+    ("stop[1]", lambda: tensors(sampling='{"stop": ["ok", "\\ud800"]}')),
+    ("stop", lambda: tensors(sampling='{"stop": "x\\udfffy"}')),
+    ("structured_outputs.choice[0]",
+     lambda: tensors(sampling='{"structured_outputs": {"choice": ["\\udc00"]}}')),
+    ("key", lambda: tensors(sampling='{"\\ud800": 1}')),
+])
+def test_lone_surrogates_are_the_clients_error_naming_where(where, make):
+    """JSON's \\ud800 escape parses to a lone surrogate, which no tokenizer or stop
+    matcher takes: INVALID_ARG naming where it is, not an internal error later."""
+    with pytest.raises(InvalidRequest, match="lone surrogate") as refused:
+        parse_llm_request(make())
+    assert where in str(refused.value)
+
+
+def test_lone_surrogates_in_request_parameters_and_paired_ones_pass():
+    with pytest.raises(InvalidRequest, match=r"request parameters: stop holds a lone surrogate"):
+        parse_llm_request(tensors(), '{"stop": "\\ud83d"}')
+    # A pair is one character (U+1F600), text like any other.
+    assert parse_llm_request(tensors(), '{"stop": "\\ud83d\\ude00"}').params.stop == ["\U0001F600"]
+
+
+def test_return_logprobs_without_a_logprobs_parameter_gives_null():
+    """Mirrors vllm_backend's L0_additional_outputs_vllm test_additional_outputs (logprobs
+    None, return_logprobs True): vLLM hands no logprobs and vllm_backend sends null; the
+    sampled token's logprob was sent instead."""
+    from backend.llm_responses import LLMResponseBuilder
+    from engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+    out = RequestOutput("r", None, [1, 2], [CompletionOutput(
+        0, " a", [5], cumulative_logprob=-0.5, logprobs=[{5: Logprob(-0.5, 1)}],
+        finish_reason="length")], True)
+    bare = parse_llm_request(tensors(return_logprobs=True, return_cumulative_logprob=True))
+    assert not bare.logprobs_asked and bare.params.logprobs == 0  # still computed (cumulative)
+    built = LLMResponseBuilder(bare).build(out)
+    assert json.loads(built["logprobs"][0]) is None
+    assert built["cumulative_logprob"][0] == np.float32(-0.5)
+    asked = parse_llm_request(tensors(sampling={"logprobs": 0}, return_logprobs=True))
+    assert json.loads(LLMResponseBuilder(asked).build(out)["logprobs"][0]) == [
+        {"5": {"logprob": -0.5, "rank": 1}}]
+    explicit_null = parse_llm_request(tensors(sampling={"logprobs": None}, return_logprobs=True))
+    assert json.loads(LLMResponseBuilder(explicit_null).build(out)["logprobs"][0]) is None
 
 
 def test_request_parameters_fallback_and_switches():
@@ -220,3 +270,12 @@ def test_stop_token_sequences_from_json_are_converted_or_refused_naming_the_fiel
     for bad in (0, [1, 2], [["x"]], "[[1]", [[]]):
         with pytest.raises(InvalidRequest, match="stop_token_sequences"):
             parse_sampling_parameters({"stop_token_sequences": bad})
+
+
+@pytest.mark.parametrize("depth", [5_000, 200_000])
+def test_json_nested_past_the_parsers_reach_is_invalid_not_an_internal_error(depth):
+    """A schema sent as a nested object (not as text) ~1,000 deep hit Python's recursion
+    limit, which surfaced as 'could not parse request: maximum recursion depth ...'."""
+    text = '{"structured_outputs": {"json": ' + '{"a":' * depth + "1" + "}" * depth + "}}"
+    with pytest.raises(InvalidRequest, match="sampling_parameters nests too deeply to parse"):
+        load_json_object("sampling_parameters", text)

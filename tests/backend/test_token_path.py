@@ -186,7 +186,7 @@ def test_llm_stream_responses_follow_the_engines_stream_interval(tokenizer):
     request = parse_llm_request(
         {"text_input": np.array([b"Hi"], dtype=np.object_), "stream": np.array([True]),
          "return_num_output_tokens": np.array([True]), "return_logprobs": np.array([True]),
-         "return_finish_reason": np.array([True])}, json.dumps({"max_tokens": 10}))
+         "return_finish_reason": np.array([True])}, json.dumps({"max_tokens": 10, "logprobs": 0}))
     assert request.params.output_kind is RequestOutputKind.DELTA and request.params.logprobs == 0
     driver = Driver(tokenizer, stream_interval=3)
     (sequence,) = driver.add("r", request.params, [plain_words(tokenizer, 10)])

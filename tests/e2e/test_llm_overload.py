@@ -4,6 +4,8 @@ explicit model control mode, which a model needs to unload itself).
 - llm_small_queue: MAX_QUEUE_LEN=4 beside 2 running sequences: a burst of 10x gets
   UNAVAILABLE "server busy" at once for the excess, the rest finish; a multi-megabyte
   text_input is refused on its size before it is tokenized.
+- llm_seq_queue: MAX_QUEUE_LEN counts sequences: 100 requests with n=16 never queue
+  more than MAX_QUEUE_LEN sequences, and a request is taken only if all of its n fit.
 - llm_loop_dies / llm_loop_dies_unload: the engine loop raises outside engine.step()
   (INJECT_LOOP_FAILURE_AT_STEP): in-flight and later requests get UNAVAILABLE at once;
   with ENABLE_VLLM_HEALTH_CHECK the model also unloads itself and reports not ready."""
@@ -26,6 +28,7 @@ from tests.e2e.triton_clients import llm_inputs, metric, scrape_metrics, tensors
 pytestmark = pytest.mark.slow
 
 MAX_QUEUE_LEN, MAX_NUM_SEQS = 4, 2
+SEQ_QUEUE_LEN, FAN_OUT = 40, 16  # two n=16 requests fit the queue, a third does not
 FORCED_TOKENS = 100  # ~0.5 s per pair of sequences here: nothing finishes during a burst
 # Late enough that all three in-flight requests have reached the engine first: a lone
 # request's decode steps take ~1 ms on the tiny model (one native call a step), and at 5
@@ -34,6 +37,7 @@ DIE_AT_STEP = 30
 CRASH_GRACE_S = 2.0  # how long _Servers waits for a crash before reusing the server
 MODELS = {
     "llm_small_queue": {"MAX_QUEUE_LEN": str(MAX_QUEUE_LEN), "max_num_seqs": str(MAX_NUM_SEQS)},
+    "llm_seq_queue": {"MAX_QUEUE_LEN": str(SEQ_QUEUE_LEN), "max_num_seqs": str(MAX_NUM_SEQS)},
     "llm_loop_dies": {"INJECT_LOOP_FAILURE_AT_STEP": str(DIE_AT_STEP)},
     "llm_loop_dies_unload": {"INJECT_LOOP_FAILURE_AT_STEP": str(DIE_AT_STEP),
                              "ENABLE_VLLM_HEALTH_CHECK": "true"},
@@ -161,6 +165,48 @@ def test_burst_beyond_the_queue_gets_unavailable_at_once_and_the_rest_finish(exp
     while (rejected := rejected_total(explicit_server, model)) < want and time.monotonic() < deadline:
         time.sleep(0.2)
     assert rejected == want
+
+
+def test_n16_burst_never_queues_more_sequences_than_max_queue_len(explicit_server):
+    """Issue 43: 100 requests with n=16 once queued 1536 sequences under MAX_QUEUE_LEN=1024."""
+    model, total = "llm_seq_queue", 100
+    finals: dict[int, int] = {}  # request -> sequences it answered with
+    errors: list[str] = []
+    done = threading.Semaphore(0)
+
+    def callback(result, error):
+        if error is not None:
+            errors.append(str(error))
+            done.release()
+            return
+        response = result.get_response()
+        if response.parameters["triton_final_response"].bool_param:
+            finals[int(response.id)] = len(result.as_numpy("text_output"))
+            done.release()
+
+    client = grpcclient.InferenceServerClient(explicit_server.grpc_url)
+    client.start_stream(callback=callback)
+    sampling = {"temperature": 1.0, "seed": 1, "n": FAN_OUT, "max_tokens": 20, "min_tokens": 20}
+    waiting_seen: list[float] = []
+    for i in range(total):
+        client.async_stream_infer(model, tensors_to_inputs(llm_inputs(PROMPTS[i % len(PROMPTS)], sampling)),
+                                  request_id=str(i), enable_empty_final_response=True)
+        if i % 10 == 0:
+            waiting_seen.append(metric(scrape_metrics(explicit_server.metrics_url),
+                                       "vllm:num_requests_waiting", model))
+    try:
+        for _ in range(total):
+            assert done.acquire(timeout=120), "not every request was answered"
+            waiting_seen.append(metric(scrape_metrics(explicit_server.metrics_url),
+                                       "vllm:num_requests_waiting", model))
+    finally:
+        client.stop_stream()
+        client.close()
+    assert len(finals) + len(errors) == total
+    assert finals and errors, (len(finals), errors[:2])
+    assert set(finals.values()) == {FAN_OUT}  # every accepted request ran all of its n
+    assert all("server busy" in e and f"MAX_QUEUE_LEN={SEQ_QUEUE_LEN}" in e for e in errors), errors[:3]
+    assert max(waiting_seen) <= SEQ_QUEUE_LEN, waiting_seen
 
 
 def test_huge_text_input_is_refused_before_tokenizing(explicit_server):

@@ -40,7 +40,8 @@ def test_return_outputs(server, reference):
     expected = reference.generate([prompt], greedy(12, logprobs=0))[0]
     flags = dict(return_finish_reason=True, return_num_input_tokens=True, return_num_output_tokens=True,
                  return_cumulative_logprob=True, return_logprobs=True)
-    full = infer_one(server.grpc, "llm", llm_inputs(prompt, {"temperature": 0, "max_tokens": 12},
+    full = infer_one(server.grpc, "llm", llm_inputs(prompt, {"temperature": 0, "max_tokens": 12,
+                                                             "logprobs": 0},
                                                     exclude_input_in_output=True, **flags))
     assert full.error is None
     r = full.responses[0]
@@ -51,7 +52,8 @@ def test_return_outputs(server, reference):
     logprobs = json.loads(r["logprobs"][0])
     assert [int(next(iter(d))) for d in logprobs] == expected.outputs[0].token_ids
 
-    streamed = infer_one(server.grpc, "llm", llm_inputs(prompt, {"temperature": 0, "max_tokens": 12},
+    streamed = infer_one(server.grpc, "llm", llm_inputs(prompt, {"temperature": 0, "max_tokens": 12,
+                                                                 "logprobs": 0},
                                                         stream=True, **flags))
     counts = [int(x["num_output_tokens"][0]) for x in streamed.responses]
     assert sum(counts) == len(expected.outputs[0].token_ids)

@@ -157,7 +157,11 @@ def test_sample_folder_loads_auto_completed_and_answers_vllm_backend_clients(dro
         flags = {name: True for name in ("return_finish_reason", "return_num_input_tokens",
                                          "return_num_output_tokens", "return_cumulative_logprob",
                                          "return_logprobs")}
-        out = infer_one(url, "vllm_model", llm_inputs(prompt, sampling, **flags)).responses[-1]
+        # return_logprobs gives null without a "logprobs" sampling parameter (vllm_backend).
+        bare = infer_one(url, "vllm_model", llm_inputs(prompt, sampling, **flags)).responses[-1]
+        assert json.loads(bare["logprobs"].reshape(-1)[0]) is None
+        out = infer_one(url, "vllm_model",
+                        llm_inputs(prompt, {**sampling, "logprobs": 0}, **flags)).responses[-1]
         assert out["finish_reason"].reshape(-1)[0] == b"length"
         assert int(out["num_output_tokens"].reshape(-1)[0]) == 8
         assert int(out["num_input_tokens"].reshape(-1)[0]) > 0

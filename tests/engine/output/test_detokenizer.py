@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from engine.output.detokenizer import IncrementalDetokenizer, SpaceCleanup
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -63,8 +63,27 @@ def stream(tok, ids, params, prompt="User: say something.\nAssistant:", chunks=N
 
 
 def decode_after(tok, before, ids, params):
-    kwargs = dict(skip_special_tokens=params.skip_special_tokens)
+    # A stream is not cleaned up (as vLLM streams it): see raw_decode.
+    kwargs = dict(skip_special_tokens=params.skip_special_tokens, clean_up_tokenization_spaces=False)
     return tok.decode(before + ids, **kwargs)[len(tok.decode(before, **kwargs)):]
+
+
+def raw_decode(tok, ids, skip_special_tokens=True):
+    """What a stream concatenates to: decode without clean_up_tokenization (vLLM's text)."""
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def whole(tok, ids, params, prompt="User: say something.\nAssistant:"):
+    """A FINAL_ONLY request's text (fed token by token, taken once at the end)."""
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    detok = IncrementalDetokenizer(tok, encode(tok, prompt), params)
+    stop = None
+    for n, t in enumerate(ids, 1):
+        stop = detok.update([t])
+        if stop is not None:
+            break
+    text, _, _ = detok.take_delta(n, finished=True)
+    return text, stop, detok
 
 
 def delta_text(detok, num_fed, finished=False):
@@ -130,9 +149,11 @@ def test_property_deltas_concatenate_to_full_decode(tokenizer, data, skip):
         chunks.append(data.draw(st.integers(1, 3)))
     deltas, stop, detok = stream(tokenizer, ids, SamplingParams(skip_special_tokens=skip),
                                  chunks=chunks)
-    expected = tokenizer.decode(ids, skip_special_tokens=skip)
     assert stop is None
-    assert "".join(deltas) == detok.output_text == expected
+    assert "".join(deltas) == detok.output_text == raw_decode(tokenizer, ids, skip)
+    # A whole (FINAL_ONLY) text is cleaned up as decode cleans it.
+    text, _, _ = whole(tokenizer, ids, SamplingParams(skip_special_tokens=skip))
+    assert text == tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 @settings(max_examples=300, deadline=None)
@@ -147,8 +168,39 @@ def test_property_space_cleanup_streamed_equals_whole(pieces):
 def test_space_before_punctuation_in_a_later_token_is_cleaned_like_decode(tokenizer):
     space, dot = tokenizer.convert_tokens_to_ids(["Ġ", "."])
     ids = encode(tokenizer, "end") + [space, dot]
+    text, _, _ = whole(tokenizer, ids, SamplingParams())
+    assert text == tokenizer.decode(ids) == "end."
+    # A stream is vLLM's raw text: the space went out on its own, nothing is taken back.
     deltas, _, _ = stream(tokenizer, ids, SamplingParams())
-    assert "".join(deltas) == tokenizer.decode(ids) == "end."
+    assert "".join(deltas) == raw_decode(tokenizer, ids) == "end ."
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_a_bare_space_token_streams_on_its_own(tokenizer, kind):
+    """Mirrors vllm_backend's L0 enabled_stream test (chunk counts): vLLM streams a token
+    that is a bare space as ' ' and the next as '1'; it was held and sent as ' 1'."""
+    space = tokenizer.convert_tokens_to_ids("Ġ")
+    ids = encode(tokenizer, "Answer:") + [space] + encode(tokenizer, "1") + [space] + encode(tokenizer, "n")
+    deltas, _, _ = stream(tokenizer, ids, SamplingParams(output_kind=kind))
+    assert deltas[:-1] == ["Answer", ":", " ", "1", " ", "n"]
+    assert deltas[-1] == ""
+
+
+def test_only_a_partial_stop_string_and_an_incomplete_character_are_held(tokenizer):
+    """The two hold-backs left in a stream: a tail that may begin a stop string, and bytes
+    of a character not complete yet; spaces and would-be cleanup patterns (" n", " '") go."""
+    space = tokenizer.convert_tokens_to_ids("Ġ")
+    ids = encode(tokenizer, "a") + [space] + encode(tokenizer, " 😀")
+    assert len(ids) >= 4  # the emoji takes more than one token
+    detok = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=["ab"]))
+    detok.update(ids[:1])
+    assert delta_text(detok, 1) == ""  # "a" may begin "ab"
+    detok.update(ids[1:2])
+    assert delta_text(detok, 2) == "a "  # the bare space goes at once
+    detok.update(ids[2:3])
+    assert delta_text(detok, 3) == ""  # " " + part of the emoji's bytes: waits
+    detok.update(ids[3:])
+    assert delta_text(detok, len(ids)) == " 😀"
 
 
 def test_stop_string_spanning_tokens_is_cut(tokenizer):
@@ -207,9 +259,13 @@ def test_partial_stop_string_released_when_text_diverges(tokenizer):
 
 
 def test_stop_string_spanning_cleanup_space(tokenizer):
-    # " ." collapses to "." under this tokenizer's cleanup, so the stop sees the cleaned text.
+    # " ." collapses to "." under this tokenizer's cleanup, so the stop sees the cleaned
+    # text of a whole (FINAL_ONLY) request; a stream's raw text keeps the space.
     assert tokenizer.clean_up_tokenization_spaces
     ids = encode(tokenizer, "Hi there . Bye")
-    deltas, got, detok = stream(tokenizer, ids, SamplingParams(stop=["there."]))
+    text, got, detok = whole(tokenizer, ids, SamplingParams(stop=["there."]))
     assert got == "there."
+    assert text == detok.output_text == "Hi "
+    deltas, got, detok = stream(tokenizer, ids, SamplingParams(stop=["there ."]))
+    assert got == "there ."
     assert "".join(deltas) == detok.output_text == "Hi "
