@@ -5,7 +5,7 @@
 #   docker build -t triton-llm-engine .
 #   docker run --gpus all --rm -p 8000:8000 -p 8001:8001 -p 8002:8002 triton-llm-engine
 #
-# Kubernetes manifests for this image: deploy/ (README.md, "Kubernetes").
+# Kubernetes manifests for this image: deploy/ (docs/kubernetes.md).
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 WORKDIR /opt/triton-llm-engine

@@ -3,7 +3,7 @@
 # Extra arguments go to pytest, e.g. `scripts/test.sh -m "not slow"` for the quick part.
 #
 # Then, on a CPU above AVX2 (AVX-512, AMX), the engine, kernel and a few end-to-end tests
-# run again with the ISA capped at avx2 (TLE_CPU_ISA, see README), as an AVX2-only host
+# run again with the ISA capped at avx2 (TLE_CPU_ISA, see docs/operations.md), as an AVX2-only host
 # runs them, so a better CI host cannot hide an AVX2 regression. TLE_TEST_CAPPED=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -485,7 +485,7 @@ def test_openai_frontend_module_takes_the_sidecar_flags():
         assert option in out.stdout, f"openai_frontend --help does not mention {option}"
 
 
-# --- both keys from one Secret (README: Security) ---
+# --- both keys from one Secret (docs/security.md) ---
 
 KEYS_SECRET = "triton-llm-engine-keys"
 
