@@ -6,16 +6,14 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.config import EngineConfig
-from engine.core.fair_share import check_tenant
 from engine.core.kv_cache.publisher import NullEventPublisher
-from engine.core.request import Request, RequestStatus
+from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.faults import FaultPlan
+from engine.input_processor import InputProcessor
 from engine.lora.request import LoRARequest
 from engine.metrics.trace import NullTrace
-from engine.output.detokenizer import IncrementalDetokenizer
 from engine.output.output_processor import OutputProcessor
-from engine.output.parallel_sampling import fan_out
 from engine.outputs import RequestOutput
 from engine.sample.sampler import SamplingError
 from engine.sampling_params import SamplingParams
@@ -88,6 +86,11 @@ class LLMEngine:
         self._parallel = self.output_processor.parallel
         # Requests whose grammar is compiling, outside the scheduler until it is ready.
         self._grammar_waitlist = GrammarWaitlist()
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.loaded.vocab_size, self.eos_token_ids,
+            self.config.scheduler.max_model_len, self.config.max_logprobs, self.lora,
+            self.grammar_compiler, is_taken=self.output_processor.__contains__,
+            check_admissible=self.scheduler.check_new_request)
         self.prompt_tokens_total = 0
         # What the latest step computed, vLLM's iteration tokens: the prompt tokens it
         # scheduled plus the tokens it sampled (a decode's scheduled token is its sampled
@@ -99,58 +102,20 @@ class LLMEngine:
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None, tenant: str | None = None) -> None:
-        params = params or SamplingParams()
-        check_tenant(tenant)
-        sequences = fan_out(request_id, params)
-        prompt_text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        # The scheduler's own admission checks (ids, length), before anything is built:
-        # a huge id list is refused before it is scanned (on the engine thread). The
-        # parent id of n > 1 sequences is taken too.
-        for rid in {request_id, *(rid for rid, _ in sequences)}:
-            if rid in self.output_processor:
-                raise ValueError(f"request id {rid!r} is already in use")
-            self.scheduler.check_new_request(rid, len(token_ids))
-        vocab = self.loaded.vocab_size
-        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids out of vocabulary [0, {vocab}): {bad[:5]}")
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs must be <= max_logprobs "
-                             f"({self.config.max_logprobs}), got {params.logprobs}")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids must be < vocab size {vocab}")
-        if any(t >= vocab for q in params.stop_token_sequences for t in q):
-            raise ValueError(f"SamplingParams.stop_token_sequences must be < vocab size {vocab}")
-        if lora_request is not None:
-            if self.lora is None:
-                raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but the "
-                                 "engine was started without enable_lora")
-            self.lora.adapter(lora_request)  # loads it now: a bad adapter fails here, alone
-        # Before any sequence exists, so a spec over a limit or invalid adds nothing
-        # (checked here: a look-up when the backend checked it already). The compile runs
-        # on the compiler's thread; the sequences wait for it in the waitlist, and every
-        # other request is scheduled meanwhile.
-        compiling = (None if params.structured_outputs is None
-                     else self.grammar_compiler.compile_async(params.structured_outputs))
+        """Raises ValueError naming what is wrong (engine/input_processor.py checks)."""
+        req = self.input_processor.process(request_id, prompt, params, priority, arrival_time,
+                                           cache_salt, lora_request, tenant)
         # n > 1: added back to back, so the later children hit the first one's prompt blocks.
-        requests = []
-        for rid, seq_params in sequences:
-            request = Request(rid, token_ids, seq_params, priority=priority,
-                              arrival_time=arrival_time, eos_token_id=self.eos_token_ids,
-                              cache_salt=cache_salt, detokenizer=IncrementalDetokenizer(
-                                  self.tokenizer, token_ids, seq_params),
-                              lora_request=lora_request, tenant=tenant)
-            if params.max_tokens is None:
-                request.max_tokens = self.config.scheduler.max_model_len - len(token_ids)
-            if compiling is None:
+        # With a grammar compiling they wait beside the scheduler; others run meanwhile.
+        if req.grammar is None:
+            for request in req.sequences:
                 self.scheduler.add_request(request)
-            requests.append(request)
-        if compiling is not None:
-            self._grammar_waitlist.add(request_id, compiling, requests)
-        self.output_processor.add_request(request_id, prompt_text, token_ids, params, requests)
+        else:
+            self._grammar_waitlist.add(request_id, req.grammar, req.sequences)
+        self.output_processor.add_request(request_id, req.prompt_text, req.token_ids, req.params,
+                                          req.sequences)
         # The prompt as received, once per request whatever n is.
-        self.prompt_tokens_total += len(token_ids)
+        self.prompt_tokens_total += len(req.token_ids)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
