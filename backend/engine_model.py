@@ -5,6 +5,7 @@ Engine arguments come from the version folder's model.json (vllm_backend's file)
 the config.pbtxt parameters, which win (backend/config_params.py)."""
 from __future__ import annotations
 
+import ctypes
 import itertools
 import time
 from pathlib import Path
@@ -57,6 +58,7 @@ class EngineModel:
         metrics = (TritonMetrics(self.model_name, args["model_version"],
                                  engine_config.data_parallel_rank)
                    if self.options.report_custom_metrics else NullMetrics())
+        self._metrics = metrics
         self._worker = ResponseWorker(metrics)
         try:
             self._loop = EngineLoop(lambda: self._build_engine(LLMEngine, engine_config, faults),
@@ -165,11 +167,14 @@ class EngineModel:
         # as its loop ends.
         self._loop.stop(self.options.drain_timeout_s)
         self._worker.stop()
-        # Everything this model holds goes now, while the stub can still take it back.
-        # The model outlives finalize (the stub keeps it; its engine loop's on_death
-        # refers back to it); once xgrammar was imported (it loads apache-tvm-ffi, and
-        # `import tvm_ffi` alone did the same), Py_FinalizeEx's last garbage collection
-        # freed it, and its Triton MetricFamily objects with it, after the stub had
-        # released its shared memory: Metric::Clear wrote there and the stub segfaulted
-        # while tritonserver still exited 0. Both engine models (llm, tensorrt_llm) run this.
+        # The Triton metric objects are never destroyed: a MetricFamily deleted at unload
+        # takes its name's series off the server, the reloaded instance's included (a live
+        # reload lost vllm:cache_config_info), and one destroyed in Py_FinalizeEx's last
+        # collection, after the stub released its shared memory, segfaulted the stub
+        # (Metric::SaveToSharedMemory; seen once xgrammar, through apache-tvm-ffi, had
+        # changed the order of the stub's exit). One reference that is never dropped keeps
+        # them, and everything they hold, out of both.
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._metrics))
+        # Everything else goes now, while the stub still runs: the stub keeps the model
+        # object, and its engine loop's on_death refers back to it.
         self.__dict__.clear()

@@ -119,6 +119,12 @@ class Reference:
                 self._engines[length] = LLM(model=self._model_path,
                                             **{**self._engine_args, "max_model_len": str(length)})
             params = [SamplingParams(**r.sampling) for r in missing]
-            outputs = self._engines[length].generate([r.prompt for r in missing], params, use_tqdm=False)
-            self._texts.update(((length, r), o.outputs[0].text) for r, o in zip(missing, outputs))
+            engine = self._engines[length]
+            outputs = engine.generate([r.prompt for r in missing], params, use_tqdm=False)
+            # The soak streams every request, and a stream is not cleaned up as a whole
+            # text is (as vLLM's): the reference is its tokens decoded without cleanup.
+            tokenizer = engine.llm_engine.tokenizer
+            self._texts.update(((length, r), tokenizer.decode(
+                o.outputs[0].token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+                for r, o in zip(missing, outputs))
         return [self._texts[(length, r)] for r in requests]

@@ -100,7 +100,16 @@ def test_vllm_metrics_right_after_the_last_response(server):
              "vllm:request_prompt_tokens_count", "vllm:request_prompt_tokens_sum",
              "vllm:request_generation_tokens_count", "vllm:request_generation_tokens_sum",
              "vllm:time_per_output_token_seconds_count")
-    before = scrape_metrics(server.metrics)
+    # The session's server is shared: a request of an earlier test (a cancelled stream's
+    # last steps) may still be generating, which would count here.
+    deadline = time.monotonic() + 30
+    while True:
+        before = scrape_metrics(server.metrics)
+        if (metric(before, "vllm:num_requests_running", model) == 0
+                and metric(before, "vllm:num_requests_waiting", model) == 0):
+            break
+        assert time.monotonic() < deadline, "the server never went idle"
+        time.sleep(0.2)
     prompt_tokens = generation_tokens = requests_done = 0
     for _ in range(2):
         outcomes = infer_many(server.grpc, model, [llm_inputs(p, sampling, **flags)
