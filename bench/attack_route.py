@@ -99,14 +99,17 @@ class Bystander:
                 f"peak {self.peak_rss / 2**20:.0f} MB")
 
 
-def raw_post(url: str, path: str, body: dict, rcvbuf: int | None = None) -> socket.socket:
+def raw_post(url: str, path: str, body: dict, rcvbuf: int | None = None,
+             key: str = KEY) -> socket.socket:
+    """A socket that has sent the request (with a receive buffer of `rcvbuf` bytes, so
+    a client that reads nothing fills up soon) and reads nothing yet."""
     host, port = url.removeprefix("http://").split(":")
     sock = socket.socket()
     if rcvbuf:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.connect((host, int(port)))
     data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {key}\r\n"
                  f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
                  + data)
     return sock

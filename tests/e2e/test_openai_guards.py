@@ -6,14 +6,13 @@ are refused; /tokenize needs the key; lone surrogates are a 400; SIGTERM with re
 flight returns. Route-level details with a stand-in Triton: tests/openai_frontend/test_route_guards.py."""
 from __future__ import annotations
 
-import json
 import signal
-import socket
 import time
 
 import pytest
 import requests
 
+from bench.attack_route import raw_post
 from tests.e2e.test_openai_frontend import SERVED, start_frontend, stop_frontend
 from tests.e2e.triton_clients import scrape_metrics
 
@@ -52,16 +51,7 @@ def idle(server):
 
 def send_raw(url, path, body, rcvbuf=None):
     """A socket that has sent the request and reads nothing."""
-    host, port = url.removeprefix("http://").split(":")
-    sock = socket.socket()
-    if rcvbuf:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    sock.connect((host, int(port)))
-    data = json.dumps(body).encode()
-    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-                 f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-                 + data)
-    return sock
+    return raw_post(url, path, body, rcvbuf, key=KEY)
 
 
 def route_cancelled(url, reason):
