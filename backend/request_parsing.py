@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from backend.json_text import dotted, find_lone_surrogate
 from engine.core.fair_share import check_tenant
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
@@ -201,43 +202,24 @@ def load_json_object(name: str, text: str | bytes) -> dict[str, Any]:
         raise InvalidRequest(f"{name} nests too deeply to parse") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"{name} must be a JSON object, got {type(value).__name__}")
-    try:
-        where = _lone_surrogate(value)
-    except RecursionError:
-        raise InvalidRequest(f"{name} nests too deeply to parse") from None
+    where = _lone_surrogate(value)
     if where is not None:
         raise InvalidRequest(f"{name}: {where} holds a lone surrogate (a \\ud800-\\udfff escape "
                              "not paired), which is not Unicode text")
     return value
 
 
-def _is_text(text: str) -> bool:
-    """No lone surrogate: JSON's \\ud800 escape parses to one (a pair is one character)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _lone_surrogate(value: Any, path: str = "") -> str | None:
+def _lone_surrogate(value: Any) -> str | None:
     """Where in a parsed JSON value a string (a key included) holds a lone surrogate, as
     'stop[0]' or 'key \'a\''; None if nowhere. Tokenizers and the engine would fail on it."""
-    if isinstance(value, str):
-        return None if _is_text(value) else (path or "the value")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not _is_text(key):
-                return f"key {key!r}" if not path else f"{path}: key {key!r}"
-            found = _lone_surrogate(item, f"{path}.{key}" if path else key)
-            if found is not None:
-                return found
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            found = _lone_surrogate(item, f"{path}[{index}]")
-            if found is not None:
-                return found
-    return None
+    found = find_lone_surrogate(value)
+    if found is None:
+        return None
+    path, in_key, _ = found
+    if not in_key:
+        return dotted(path) or "the value"
+    parent = dotted(path[:-1])
+    return f"key {path[-1]!r}" if not parent else f"{parent}: key {path[-1]!r}"
 
 
 def scalar(name: str, array: np.ndarray | None) -> Any:
@@ -256,7 +238,7 @@ def decode_text(name: str, value: Any) -> str:
         except UnicodeDecodeError:
             raise InvalidRequest(f"{name} is not valid UTF-8") from None
     if isinstance(value, str):
-        if not _is_text(value):
+        if find_lone_surrogate(value) is not None:
             raise InvalidRequest(f"{name} holds a lone surrogate (a \\ud800-\\udfff escape "
                                  "not paired), which is not Unicode text")
         return value

@@ -13,6 +13,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from backend.json_text import dotted, find_lone_surrogate
 from openai_frontend.errors import bad_request
 
 log = logging.getLogger("openai_frontend")
@@ -34,36 +35,13 @@ class _Lenient(BaseModel):
 
 
 def lone_surrogate(data: Any) -> tuple[str, str] | None:
-    """(where, which) of the first lone surrogate in a parsed JSON body, else None. JSON's
-    `\\ud800` escape parses to one in Python; it is no character, and UTF-8 (gRPC,
-    the tokenizer) cannot encode it."""
-    # (parent path, key or index, value); a path is only spelled out for the culprit.
-    stack: list[tuple[str, Any, Any]] = [("", None, data)]
-    while stack:
-        parent, key, value = stack.pop()
-        if isinstance(value, str):
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:
-                return _path(parent, key) or "body", f"\\u{ord(value[exc.start]):04x}"
-        elif isinstance(value, dict):
-            where = _path(parent, key)
-            for k, item in value.items():
-                stack.append((where, None, k))
-                stack.append((where, k, item))
-        elif isinstance(value, list):
-            where = _path(parent, key)
-            stack.extend((where, i, item) for i, item in enumerate(value)
-                         if isinstance(item, (str, dict, list)))
-    return None
-
-
-def _path(parent: str, key: Any) -> str:
-    if key is None:
-        return parent
-    if isinstance(key, int):
-        return f"{parent}[{key}]"
-    return f"{parent}.{key}" if parent else str(key)
+    """(where, which) of the first lone surrogate in a parsed JSON body, else None: where
+    is the string's field (a key's: the object holding it), which its \\uXXXX escape."""
+    found = find_lone_surrogate(data)
+    if found is None:
+        return None
+    path, in_key, char = found
+    return dotted(path[:-1] if in_key else path) or "body", f"\\u{ord(char):04x}"
 
 
 class _Body(_Lenient):

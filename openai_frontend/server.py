@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import resource
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from backend.open_files import raise_open_file_limit
 
 log = logging.getLogger("openai_frontend")
 
@@ -30,20 +31,6 @@ class ServerLimits:
     header_timeout: float = 10.0
     keep_alive_timeout: float = 5.0
     graceful_shutdown_timeout: float = 5.0
-
-
-def raise_fd_limit(wanted: int) -> int:
-    """The soft RLIMIT_NOFILE raised towards `wanted` (as far as the hard limit lets);
-    the soft limit in force."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    if target > soft:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (ValueError, OSError):
-            pass
-    return soft
 
 
 def _refusal() -> bytes:
@@ -180,7 +167,7 @@ def serve(app: Any, host: str, port: int, log_level: str, limits: ServerLimits,
           on_refused: Callable[[], None] = lambda: None) -> None:
     import uvicorn
 
-    soft = raise_fd_limit(limits.max_connections + RESERVED_FDS)
+    _, soft = raise_open_file_limit(limits.max_connections + RESERVED_FDS)
     if soft < limits.max_connections + RESERVED_FDS:
         capped = max(1, soft - RESERVED_FDS)
         log.warning("--max-connections %d lowered to %d: the open-files limit is %d",

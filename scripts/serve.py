@@ -48,6 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from backend.open_files import raise_open_file_limit  # noqa: E402
 from backend.repository_layout import copy_repository  # noqa: E402
 from backend.restricted_api import http_headers, read_key, tritonserver_flags  # noqa: E402
 from backend.stub_watch import StubDied, StubWatch, describe  # noqa: E402
@@ -311,25 +312,14 @@ def supervise(server: TritonServer, signals: StopSignals, args: argparse.Namespa
                   file=sys.stderr, flush=True)
 
 
-def raise_descriptor_limit() -> tuple[int, int]:
-    """Soft RLIMIT_NOFILE up to the hard limit, for serve and so for tritonserver and its
-    stubs: each HTTP/gRPC connection holds a descriptor, and at the usual soft limit (1024)
-    a few thousand idle connections made Triton's HTTP server log accept() errors in a loop
-    (~40 MB/s) with health unanswered until they closed. Returns (before, after)."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard != resource.RLIM_INFINITY and soft != resource.RLIM_INFINITY and soft < hard:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        return soft, hard
-    return soft, soft
-
-
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
     check_libpython()
-    before, after = raise_descriptor_limit()
+    # Each HTTP/gRPC connection holds one of tritonserver's descriptors (it inherits the
+    # limit): at the usual soft limit, 1024, a few thousand idle connections made its HTTP
+    # server log accept() errors in a loop (~40 MB/s) with health unanswered meanwhile.
+    before, after = raise_open_file_limit()
     if after != before:
         print(f"serve: open-file limit raised from {before} to {after} (the hard limit) for "
               "tritonserver's connections", file=sys.stderr, flush=True)

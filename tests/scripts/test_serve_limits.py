@@ -11,7 +11,7 @@ import importlib.util, resource
 spec = importlib.util.spec_from_file_location("serve", {str(REPO_ROOT / "scripts" / "serve.py")!r})
 serve = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(serve)
-print(serve.raise_descriptor_limit())
+print(serve.raise_open_file_limit())
 import subprocess
 print(subprocess.run(["sh", "-c", "ulimit -n"], capture_output=True, text=True).stdout.strip())
 """
