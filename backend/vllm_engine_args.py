@@ -36,6 +36,8 @@ RENAMED = {
     "max_loras": "max_loras",
     "max_lora_rank": "max_lora_rank",
     "max_cpu_loras": "max_cpu_loras",
+    "model_impl": "model_impl",  # auto / native / transformers (engine/models/registry.py)
+    "disable_sliding_window": "disable_sliding_window",
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -56,7 +58,7 @@ NO_EFFECT = frozenset({
     "enable_flashinfer_autotune", "async_scheduling", "use_v2_block_manager", "swap_space",
     "preemption_mode", "num_scheduler_steps", "multi_step_stream_outputs",
     "scheduler_delay_factor", "enable_chunked_prefill", "disable_chunked_mm_input", "kv_sharing_fast_prefill",
-    "disable_sliding_window", "disable_cascade_attn",
+    "disable_cascade_attn",
     "max_parallel_loading_workers", "download_dir", "hf_token", "trust_remote_code",
     "use_tqdm_on_load", "safetensors_load_strategy", "pt_load_map_location",
     "model_loader_extra_config", "ignore_patterns", "served_model_name",
@@ -99,7 +101,6 @@ UNSUPPORTED = {
     "runner": ("auto", "generate"),
     "task": ("auto", "generate"),
     "convert": ("auto", "none"),
-    "model_impl": ("auto",),
     "pooler_config": (None,),
     "override_pooler_config": (None,),
     "mm_processor_kwargs": (None, {}),

@@ -52,7 +52,8 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                          f"{config.torch_device} (set device: cpu)")
     loaded = load_model(config.model, config.dtype, tokenizer=config.tokenizer,
                         device=config.torch_device, quantization=config.quantization,
-                        batch_invariant=config.batch_invariant)
+                        batch_invariant=config.batch_invariant, model_impl=config.model_impl,
+                        disable_sliding_window=config.disable_sliding_window)
     tensor_parallel = kv_events = None
     try:  # from here a failure must also stop the workers and close the sockets
         if tp_size > 1:

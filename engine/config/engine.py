@@ -14,6 +14,7 @@ from engine.values import convert
 
 DTYPES = ("bfloat16", "float32", "float16", "auto")
 QUANTIZATIONS = (None, "gguf")
+MODEL_IMPLS = ("auto", "native", "transformers")
 
 
 @dataclass(slots=True)
@@ -58,12 +59,21 @@ class EngineConfig:
     # depend on the rest of the batch, its chunking or prefix hits (kernels/dispatch/
     # picks kernels whose reduction order is fixed per row). CPU only.
     batch_invariant: bool = False
+    # vLLM's model_impl: "auto" runs a native implementation where one exists, else
+    # transformers' own modeling code over the paged cache; "native" / "transformers"
+    # insist on one (engine/models/registry.py).
+    model_impl: str = "auto"
+    # vLLM's disable_sliding_window: windowed layers attend to the whole context, and
+    # max_model_len is capped at the window (engine/config/sliding_window.py).
+    disable_sliding_window: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_logprobs < 0:

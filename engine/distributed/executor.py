@@ -89,7 +89,8 @@ class TensorParallelExecutor:
             args=(WorkerSpec(address, rank, model_dir, config.dtype, config.tokenizer,
                              num_threads, compute_timeout_s,
                              config.lora if config.lora.enable_lora else None,
-                             config.batch_invariant),))
+                             config.batch_invariant, config.model_impl,
+                             config.disable_sliding_window),))
             for rank in range(1, world)]
         self._workers = _Workers(processes, rendezvous_dir)
         self.batch_invariant = config.batch_invariant

@@ -25,6 +25,8 @@ class WorkerSpec:
     lora: LoRAConfig | None = None  # enable_lora: this rank loads and shards the adapters
     # the engine's batch_invariant: this rank's kernels and the all-reduce's order
     batch_invariant: bool = False
+    model_impl: str = "auto"
+    disable_sliding_window: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +60,8 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
     from kernels import dispatch
 
     loaded = load_model(spec.model_dir, spec.dtype, tokenizer=spec.tokenizer,
-                        device=str(group.device))
+                        device=str(group.device), model_impl=spec.model_impl,
+                        disable_sliding_window=spec.disable_sliding_window)
     loaded = shard_loaded(loaded, group, spec.batch_invariant)
     setup = group.receive_step()
     if setup is None:  # rank 0 gave up before serving (e.g. its KV pool was refused)

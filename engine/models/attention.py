@@ -22,6 +22,21 @@ class AttentionMetadata:
     max_seq_len: int
 
 
+# What a model's forward takes as `meta`: one AttentionMetadata that every layer reads, or
+# one per layer where layers keep their K/V in different block tables (the KV-cache
+# manager's groups: full-attention layers and sliding-window layers).
+StepMetadata = "AttentionMetadata | list[AttentionMetadata]"
+
+
+def per_layer(meta: "AttentionMetadata | list[AttentionMetadata]",
+              num_layers: int) -> list[AttentionMetadata]:
+    if isinstance(meta, AttentionMetadata):
+        return [meta] * num_layers
+    if len(meta) != num_layers:
+        raise ValueError(f"attention metadata: expected {num_layers} layers, got {len(meta)}")
+    return meta
+
+
 class PagedAttention(nn.Module):
     """Writes this step's K/V into the paged cache, then attends over the whole context."""
 

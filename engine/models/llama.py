@@ -143,6 +143,9 @@ _FUSED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {config.hidden_act!r} unsupported for "
+                             f"{type(self).__name__} (only silu)")
         self.config = config
         self.dtype = dtype
         self.model = LlamaModel(config, dtype)
@@ -261,10 +264,3 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"weights: checkpoint lacks {len(missing)} tensors, e.g. {missing[:3]}")
 
-
-# HF `architectures` entry -> our implementation.
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-}

@@ -1,6 +1,7 @@
 """load_model: HF folder, .gguf file or the embedded default -> our paged-attention model."""
 from __future__ import annotations
 
+import copy
 import glob
 import json
 import logging
@@ -13,7 +14,9 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
-from engine.models.llama import MODEL_REGISTRY, head_dim_of
+from engine.config.sliding_window import layer_windows, max_context
+from engine.models.llama import head_dim_of
+from engine.models.registry import model_class_for
 from engine.models.model_files import load_tokenizer, resolve_model_dir
 from kernels.dispatch import detect_cpu
 
@@ -37,9 +40,11 @@ class LoadedModel:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    # The longest context the model handles correctly (capped by a sliding window, which
-    # the paged attention does not implement).
+    # The longest context the model handles: its positions (capped at the window only
+    # under disable_sliding_window).
     max_position_embeddings: int
+    # Per layer, its attention window or None for full attention.
+    sliding_windows: list[int | None] = field(default_factory=list)
     eos_token_ids: list[int] = field(default_factory=list)
     load_seconds: float = 0.0
 
@@ -123,15 +128,6 @@ def eos_token_ids(model_dir: Path, config: Any, tokenizer: Any) -> list[int]:
     return []
 
 
-def _max_context(config: Any) -> int:
-    limit = int(config.max_position_embeddings)
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", config.model_type == "mistral")
-    if window and uses_window:
-        limit = min(limit, int(window))
-    return limit
-
-
 def _quantize(net: nn.Module, model: str | os.PathLike | None, quantization: str,
               device: str | torch.device) -> None:
     from engine.models.gguf_cache import default_gguf_path
@@ -158,27 +154,29 @@ def _quantize(net: nn.Module, model: str | os.PathLike | None, quantization: str
 def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None = "auto",
                tokenizer: str | os.PathLike | None = None,
                device: str | torch.device = "cpu", quantization: str | None = None,
-               batch_invariant: bool = False) -> LoadedModel:
+               batch_invariant: bool = False, model_impl: str = "auto",
+               disable_sliding_window: bool = False) -> LoadedModel:
     """Build our model from `model` (HF folder, .gguf file, or None for the embedded default).
 
     `tokenizer`: a folder to take the tokenizer from instead of the model's.
     `quantization`: None (weights in `dtype`) or "gguf" (a GGUF model's Q4_0/Q4_1/Q8_0
     tensors stay in their blocks; CPU only). `batch_invariant`: kernels whose per-row
-    results do not depend on the batch (LlamaForCausalLM.prepack)."""
+    results do not depend on the batch (LlamaForCausalLM.prepack). `model_impl`: which
+    implementation runs it (engine/models/registry.py). `disable_sliding_window`: every
+    layer attends to the whole context, the context capped at the window."""
     from transformers import AutoConfig
 
     start = time.perf_counter()
     model_dir = resolve_model_dir(model)
     config = AutoConfig.from_pretrained(model_dir)
-    archs = list(getattr(config, "architectures", None) or [])
-    arch = next((a for a in archs if a in MODEL_REGISTRY), None)
-    if arch is None:
-        raise ValueError(f"model: unsupported architectures {archs}; "
-                         f"supported: {sorted(MODEL_REGISTRY)}")
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise ValueError(f"model: hidden_act {config.hidden_act!r} unsupported (only silu)")
+    context = max_context(config, disable_sliding_window)
+    if disable_sliding_window:
+        # The models read their windows from the config (engine/config/sliding_window.py).
+        config = copy.deepcopy(config)
+        config.sliding_window = None
+    model_class = model_class_for(config, model_impl)
     torch_dtype = resolve_dtype(dtype, config, device)
-    net = MODEL_REGISTRY[arch](config, torch_dtype)
+    net = model_class(config, torch_dtype)
     with torch.no_grad():
         net.load_weights(iter_checkpoint_tensors(model_dir))
     net.eval()
@@ -193,6 +191,7 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
         num_heads=config.num_attention_heads,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
         head_dim=head_dim_of(config), hidden_size=config.hidden_size,
-        vocab_size=config.vocab_size, max_position_embeddings=_max_context(config),
+        vocab_size=config.vocab_size, max_position_embeddings=context,
+        sliding_windows=layer_windows(config),
         eos_token_ids=eos_token_ids(model_dir, config, tok),
         load_seconds=time.perf_counter() - start)
