@@ -22,14 +22,12 @@ class AttentionMetadata:
     max_seq_len: int
 
 
-# What a model's forward takes as `meta`: one AttentionMetadata that every layer reads, or
-# one per layer where layers keep their K/V in different block tables (the KV-cache
-# manager's groups: full-attention layers and sliding-window layers).
-StepMetadata = "AttentionMetadata | list[AttentionMetadata]"
-
-
 def per_layer(meta: "AttentionMetadata | list[AttentionMetadata]",
               num_layers: int) -> list[AttentionMetadata]:
+    """What a model's forward takes as `meta`, one entry per layer: a single
+    AttentionMetadata is read by every layer; a list has one per layer, where layers
+    keep their K/V in different block tables (the KV-cache manager's groups of
+    full-attention and sliding-window layers)."""
     if isinstance(meta, AttentionMetadata):
         return [meta] * num_layers
     if len(meta) != num_layers:
