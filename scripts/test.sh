@@ -5,6 +5,10 @@
 # Then, on a CPU above AVX2 (AVX-512, AMX), the engine, kernel and a few end-to-end tests
 # run again with the ISA capped at avx2 (TLE_CPU_ISA, see docs/operations.md), as an AVX2-only host
 # runs them, so a better CI host cannot hide an AVX2 regression. TLE_TEST_CAPPED=0 skips it.
+#
+# Last, the model tests run again at the lowest transformers pyproject.toml allows
+# (scripts/transformers_floor.sh): the families and the general path use transformers'
+# configs and internals. TLE_TEST_FLOOR=0 skips it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -18,6 +22,8 @@ CAPPED_TESTS=(tests/kernels/cpu/test_features.py tests/kernels/cpu/test_linear.p
               tests/engine/models/test_loader.py tests/engine/models/test_paged.py
               tests/kernels/cpu/test_native.py tests/engine/sample/test_sampler.py
               tests/engine/test_generate.py tests/e2e/test_llm_text.py)
+# What reads transformers' configs or runs its modeling code.
+FLOOR_TESTS=(tests/engine/models tests/engine/test_generate.py)
 isa=$(.venv/bin/python -c 'from kernels.cpu import features as c; print(c.detect().detected_isa)')
 capped=0
 if [ "${TLE_TEST_CAPPED:-1}" != 0 ] && [ -z "${TLE_CPU_ISA:-}" ]; then
@@ -31,5 +37,10 @@ status=0
 if [ $capped = 1 ]; then
     echo "== again with the CPU capped at avx2 (this host: $isa) =="
     TLE_CPU_ISA=avx2 "${PYTEST[@]}" "${CAPPED_TESTS[@]}" "$@" || status=$?
+fi
+if [ "${TLE_TEST_FLOOR:-1}" != 0 ]; then
+    floor=$(bash scripts/transformers_floor.sh)
+    echo "== again at transformers' floor ($floor) =="
+    PYTHONPATH="$floor" "${PYTEST[@]}" "${FLOOR_TESTS[@]}" "$@" || status=$?
 fi
 exit $status

@@ -19,6 +19,7 @@ from engine.models.loader import resolve_dtype
 from testing.tiny_model import make_tiny_model_dir
 from kernels.cpu import features as cpu_features
 from testing.model_batch import hf_logits, last_logits
+from testing.hf_reference import hf_causal_lm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -112,7 +113,7 @@ def test_bin_checkpoint_fallback(tiny_dir, tmp_path):
     torch.save(state, bin_dir / "pytorch_model.bin")
     toks = [5, 99, 1234, 40000, 7]
     ours = last_logits(load_model(bin_dir, torch.float32), toks)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    hf = hf_causal_lm(tiny_dir, torch.float32)
     torch.testing.assert_close(ours, hf_logits(hf, toks)[-1], atol=1e-4, rtol=1e-4)
 
 
@@ -194,7 +195,7 @@ def test_default_model_matches_hf():
     prompt = loaded.tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is the capital of France?"}],
         add_generation_prompt=True)
-    hf = AutoModelForCausalLM.from_pretrained(loaded.model_dir, dtype=torch.float32).eval()
+    hf = hf_causal_lm(loaded.model_dir, torch.float32)
     expected = hf_logits(hf, prompt)[-1]
     bf16 = last_logits(loaded, prompt)
     # The top two logits of this prompt are ~0.1 apart, within bf16 noise, so only ask

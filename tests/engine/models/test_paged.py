@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from engine.models import load_model
 from testing.tiny_model import make_tiny_model_dir
 from testing.model_batch import PagedBatchBuilder, hf_logits
+from testing.hf_reference import hf_causal_lm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module", params=["llama", "qwen2", "mistral"])
 def tiny(request, tmp_path_factory):
     path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_causal_lm(path, torch.float32)
     return load_model(path, torch.float32), hf
 
 
@@ -68,7 +68,7 @@ def test_bf16_tracks_hf_bf16(tiny):
     _, hf_fp32 = tiny
     path = hf_fp32.name_or_path
     loaded = load_model(path, torch.bfloat16)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    hf = hf_causal_lm(path, torch.bfloat16)
     toks = list(range(1000, 1012))
     builder = PagedBatchBuilder(block_size=4, num_blocks=8)
     kv = builder.new_kv_caches(loaded, torch.bfloat16)

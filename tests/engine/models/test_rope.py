@@ -10,6 +10,7 @@ from engine.models import load_model
 from engine.models.rope import RotaryEmbedding, rope_inv_freq
 from testing.tiny_model import make_tiny_model_dir
 from testing.model_batch import PagedBatchBuilder, hf_logits
+from testing.hf_reference import hf_causal_lm
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,7 +75,7 @@ def test_scaled_model_matches_hf(tmp_path, name):
     path = make_tiny_model_dir(tmp_path / name, arch="llama", seed=3, num_hidden_layers=1,
                                rope_scaling=SCALINGS[name], max_position_embeddings=256)
     loaded = load_model(path, torch.float32)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf = hf_causal_lm(path, torch.float32)
     toks = torch.randint(3, 49152, (80,), generator=torch.Generator().manual_seed(1)).tolist()
     expected = hf_logits(hf, toks)
     builder = PagedBatchBuilder(block_size=16, num_blocks=8)
