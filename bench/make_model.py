@@ -1,4 +1,4 @@
-"""A random-weight Llama model of a real model's shape, as an HF folder plus GGUF files of
+"""A random-weight model of a real model's shape (Llama, Qwen3 or Gemma 3 text), as an HF folder plus GGUF files of
 the same weights, so the engine, vLLM and llama.cpp all run one model
 (bench_generate --model DIR --gguf DIR/gguf/*.gguf). Nothing is downloaded: the tokenizer
 is the embedded SmolLM2 one, its vocabulary padded with unreachable "[PAD<id>]" entries up
@@ -6,6 +6,7 @@ to the shape's vocab_size, so every id the model can emit decodes on every side.
 
   python -m bench.make_model --shape llama-3.2-1b --out /tmp/llama-1b   # + BF16, Q8_0, Q4_0
   python -m bench.make_model --shape tiny --out /tmp/tiny --gguf f32 q8_0
+  python -m bench.make_model --shape qwen3-0.6b --out /tmp/qwen3 --gguf    # HF folder only
 
 Writes OUT/config.json, generation_config.json, model.safetensors (bf16), the tokenizer
 files, and OUT/gguf/<shape>-<TYPE>.gguf (bench/gguf_from_hf.py; a subfolder, so no loader
@@ -27,11 +28,25 @@ from bench.gguf_from_hf import TYPES, write_gguf
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
+_QWEN3 = dict(num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+              vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+              rms_norm_eps=1e-6, tie_word_embeddings=True)
+
 SHAPES = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                          vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0,
                          rope_scaling=LLAMA3_ROPE, rms_norm_eps=1e-5, tie_word_embeddings=True),
+    # Qwen3's published configs (0.6B / 1.7B): q/k norms, head_dim 128 apart from hidden.
+    "qwen3-0.6b": dict(_QWEN3, hidden_size=1024, intermediate_size=3072),
+    "qwen3-1.7b": dict(_QWEN3, hidden_size=2048, intermediate_size=6144),
+    # Gemma-3-1B's: five 512-token sliding-window layers to each global one, head_dim 256.
+    "gemma-3-1b": dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                       num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                       vocab_size=262144, max_position_embeddings=32768, rope_theta=1000000.0,
+                       rope_local_base_freq=10000.0, rope_scaling=None, sliding_window=512,
+                       sliding_window_pattern=6, query_pre_attn_scalar=256,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True),
     # The same layout scaled down; 128 padding ids so the tests cover the padded vocabulary,
     # and head_dim 16 still puts rotary frequencies in all three llama3 bands.
     "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -43,17 +58,36 @@ TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_tem
 INIT_STD = 0.02  # HF's initializer_range for Llama: the embedding's (see random_weights)
 
 
+def family_of(shape: str) -> str:
+    return "qwen3" if shape.startswith("qwen3") else "gemma3" if shape.startswith("gemma-3") \
+        else "llama"
+
+
 def config_for(shape: str, tokenizer_src: Path) -> dict:
     # bos/eos are the tokenizer's (SmolLM2's 1 and 2), not Llama-3's 128000/128001.
     ids = json.loads((tokenizer_src / "config.json").read_text())
     special = {k: ids[k] for k in ("bos_token_id", "eos_token_id") if ids.get(k) is not None}
+    common = {"attention_bias": False, "attention_dropout": 0.0,
+              "initializer_range": INIT_STD, "use_cache": True, "torch_dtype": "bfloat16",
+              **special, **SHAPES[shape],
+              # Llama-3.2-1B's own value. Without one, transformers 4.57 takes a local folder
+              # for a Mistral one and warns, on every load, that its tokenizer regex is wrong.
+              "transformers_version": "4.45.0.dev0"}
+    family = family_of(shape)
+    if family == "qwen3":
+        return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+                "hidden_act": "silu", "use_sliding_window": False, "sliding_window": None,
+                **common}
+    if family == "gemma3":
+        pattern = common["sliding_window_pattern"]
+        # layer_types spelled out too: transformers >= 4.53 reads it, older ones the pattern.
+        kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                 for i in range(common["num_hidden_layers"])]
+        return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+                "attn_logit_softcapping": None, "layer_types": kinds, **common}
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
-            "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
-            "initializer_range": INIT_STD, "pretraining_tp": 1, "use_cache": True,
-            "torch_dtype": "bfloat16", **special, **SHAPES[shape],
-            # Llama-3.2-1B's own value. Without one, transformers 4.57 takes a local folder
-            # for a Mistral one and warns, on every load, that its tokenizer regex is wrong.
-            "transformers_version": "4.45.0.dev0"}
+            "mlp_bias": False, "pretraining_tp": 1, **common}
 
 
 def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
@@ -62,6 +96,7 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, q = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
     kv, inter = c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h)}
+    family = c["model_type"]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
@@ -69,6 +104,12 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
                        p + "self_attn.o_proj.weight": (h, q), p + "post_attention_layernorm.weight": (h,),
                        p + "mlp.gate_proj.weight": (inter, h), p + "mlp.up_proj.weight": (inter, h),
                        p + "mlp.down_proj.weight": (h, inter)})
+        if family in ("qwen3", "gemma3_text"):  # per-head norms of q and k
+            shapes.update({p + "self_attn.q_norm.weight": (c["head_dim"],),
+                           p + "self_attn.k_norm.weight": (c["head_dim"],)})
+        if family == "gemma3_text":  # norms after attention and around the MLP
+            shapes.update({p + "pre_feedforward_layernorm.weight": (h,),
+                           p + "post_feedforward_layernorm.weight": (h,)})
     shapes["model.norm.weight"] = (h,)
     if not c["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (c["vocab_size"], h)
@@ -87,7 +128,8 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
     for name, shape in weight_shapes(config).items():
         noise = torch.randn(shape, generator=g)
         if name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * noise
+            # Gemma stores w and scales by (1 + w): the same 1 +- 0.1 either way.
+            w = (0.0 if config["model_type"] == "gemma3_text" else 1.0) + 0.1 * noise
         else:
             w = noise * (INIT_STD if "embed_tokens" in name else shape[1] ** -0.5)
         weights[name] = w.to(torch.bfloat16)
