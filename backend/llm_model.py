@@ -20,7 +20,8 @@ class LLMModel(EngineModel):
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
         inputs = triton_io.read_inputs(request, self.input_names)
         check_prompt_size(inputs.get("text_input"), self._max_prompt_bytes, self._max_model_len)
-        parsed = parse_llm_request(inputs, request.parameters())
+        # The model's generation_config fills the sampling keys the request left out.
+        parsed = parse_llm_request(inputs, request.parameters(), self.engine.sampling_defaults)
         # Tokenized here, on Triton's execute thread, not on the engine thread where every
         # stream would wait for it. The fast tokenizer releases the GIL while it encodes
         # (a spinning Python thread kept running through a 600 KB encode here). The same

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend.json_text import dotted, find_lone_surrogate
+from engine.config.generation import SamplingDefaults
 from engine.core.fair_share import check_tenant
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.sampling_params import StructuredOutputsParams
@@ -132,11 +133,13 @@ def to_bool(name: str, value: Any) -> bool:
     return client_value(name, value, "bool")
 
 
-def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> SamplingParams:
+def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...] = (),
+                              defaults: SamplingDefaults | None = None) -> SamplingParams:
     """JSON object (values typed or strings) -> validated SamplingParams.
 
     Unknown keys are errors rather than silently ignored: a typo such as
-    "max_token" would otherwise change the output without a word."""
+    "max_token" would otherwise change the output without a word. `defaults`: the
+    engine's (the model's generation_config), which the keys left out take."""
     kwargs: dict[str, Any] = {}
     for name, value in params.items():
         if name in ignore:
@@ -155,6 +158,8 @@ def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...]
         if name not in _SAMPLING_FIELDS:
             raise InvalidRequest(f"unknown sampling parameter {name!r}")
         kwargs[name] = client_value(name, value, _SAMPLING_FIELDS[name])
+    if defaults is not None:
+        kwargs = defaults.apply(kwargs)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -245,9 +250,11 @@ def decode_text(name: str, value: Any) -> str:
     raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
 
 
-def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameters: str | bytes = "") -> LLMRequest:
+def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameters: str | bytes = "",
+                      defaults: SamplingDefaults | None = None) -> LLMRequest:
     """inputs: the request's tensors by name (absent ones missing or None);
-    request_parameters: Triton's request.parameters() JSON.
+    request_parameters: Triton's request.parameters() JSON; defaults: the engine's
+    sampling defaults, which the sampling keys the request leaves out take.
 
     Sampling comes from the sampling_parameters input when present, otherwise from
     the request parameters (HTTP generate's "parameters" object), where the
@@ -286,7 +293,7 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     tenant = parse_tenant(sampling.get("tenant"))
     params = parse_sampling_parameters(
         sampling, ignore=(*_SWITCHES, "priority", _ADD_SPECIAL_TOKENS, "lora_name",
-                          "lora_path", "tenant"))
+                          "lora_path", "tenant"), defaults=defaults)
 
     stream = switches.get("stream", False)
     exclude = switches.get("exclude_input_in_output", stream)

@@ -13,7 +13,8 @@ from backend.token_responses import TokenResponseBuilder
 
 class TokenIdModel(EngineModel):
     def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
-        parsed = parse_token_request(triton_io.read_inputs(request, self.input_names))
+        parsed = parse_token_request(triton_io.read_inputs(request, self.input_names),
+                                     self.engine.sampling_defaults)
         lora = None if parsed.lora_name is None else self.lora_request(parsed.lora_name)
         builder = TokenResponseBuilder(parsed)
         return Inflight(request_id, parsed.prompt_token_ids, parsed.params, sender, builder.build,

@@ -12,6 +12,7 @@ import numpy as np
 
 from backend.request_parsing import (InvalidRequest, decode_text, parse_lora_name, parse_priority,
                                      parse_tenant, scalar, stream_output_kind, to_bool)
+from engine.config.generation import SamplingDefaults
 from engine.sampling_params import SamplingParams
 
 
@@ -53,7 +54,11 @@ def _opt(inputs: Mapping[str, np.ndarray | None], name: str) -> Any:
     return scalar(name, inputs.get(name))
 
 
-def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest:
+def parse_token_request(inputs: Mapping[str, np.ndarray | None],
+                        defaults: SamplingDefaults | None = None) -> TokenRequest:
+    """`defaults`: the engine's sampling defaults (the model's generation_config), which
+    the knobs a request leaves out take. Whether it samples at all stays TensorRT-LLM's
+    decision (its top_k / top_p inputs); a greedy request still takes the model's penalties."""
     ids = inputs.get("input_ids")
     if ids is None:
         raise InvalidRequest("missing required input 'input_ids'")
@@ -95,16 +100,24 @@ def parse_token_request(inputs: Mapping[str, np.ndarray | None]) -> TokenRequest
     kwargs: dict[str, Any] = dict(
         max_tokens=int(max_tokens),
         min_tokens=int(_opt(inputs, "min_length") or 0),
-        temperature=float(1.0 if temperature is None else temperature) if sampling else 0.0,
-        top_k=int(top_k) if sampling and top_k is not None and int(top_k) > 1 else 0,
-        top_p=float(top_p) if sampling and top_p is not None and float(top_p) > 0 else 1.0,
         seed=next(iter(seeds.values()), None),
         # Matched as ids, as TensorRT-LLM does; the stop word stays in the output.
         stop_token_sequences=stop_words,
         output_kind=stream_output_kind(stream),
     )
+    if not sampling:  # greedy, whatever the model's defaults say
+        kwargs.update(temperature=0.0, top_k=0, top_p=1.0)
+    else:  # the knobs given; TensorRT-LLM's top_k <= 1 and top_p <= 0 mean "off"
+        if temperature is not None:
+            kwargs["temperature"] = float(temperature)
+        if top_k is not None:
+            kwargs["top_k"] = int(top_k) if int(top_k) > 1 else 0
+        if top_p is not None:
+            kwargs["top_p"] = float(top_p) if float(top_p) > 0 else 1.0
     if end_id is not None:
         kwargs["stop_token_ids"] = [int(end_id)]
+    if defaults is not None:
+        kwargs = defaults.apply(kwargs)
     try:
         params = SamplingParams(**kwargs)
     except ValueError as exc:

@@ -38,6 +38,9 @@ RENAMED = {
     "max_cpu_loras": "max_cpu_loras",
     "model_impl": "model_impl",  # auto / native / transformers (engine/models/registry.py)
     "disable_sliding_window": "disable_sliding_window",
+    # The sampling values a request's absent keys take (engine/config/generation.py).
+    "generation_config": "generation_config",
+    "override_generation_config": "override_generation_config",
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -108,8 +111,4 @@ UNSUPPORTED = {
     "reasoning_parser": (None, ""),
     "scheduler_cls": (None,),
     "additional_config": (None, {}),
-    # vLLM's "auto" puts the checkpoint's generation_config.json sampling values under
-    # every request; here requests start from vLLM's own defaults, which "vllm" means.
-    "generation_config": ("vllm",),
-    "override_generation_config": (None, {}),
 }

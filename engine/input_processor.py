@@ -8,6 +8,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from engine.config.generation import SamplingDefaults
 from engine.core.fair_share import check_tenant
 from engine.core.request import Request
 from engine.lora.request import LoRARequest
@@ -29,12 +30,15 @@ class ProcessedRequest:
 class InputProcessor:
     """`is_taken(request_id)`: whether an id is in use (the output processor knows);
     `check_admissible(request_id, num_prompt_tokens)`: the scheduler's own admission
-    checks (the id's form, the prompt against max_model_len and the pool)."""
+    checks (the id's form, the prompt against max_model_len and the pool);
+    `sampling_defaults`: what a request added without SamplingParams samples with (the
+    model's generation_config, engine/config/generation.py)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
                  max_model_len: int, max_logprobs: int, lora: Any, grammar_compiler: Any,
                  is_taken: Callable[[str], bool],
-                 check_admissible: Callable[[str, int], None]) -> None:
+                 check_admissible: Callable[[str, int], None],
+                 sampling_defaults: SamplingDefaults | None = None) -> None:
         self._tokenizer = tokenizer
         self._vocab = vocab_size
         self._eos = eos_token_ids
@@ -44,13 +48,14 @@ class InputProcessor:
         self._grammars = grammar_compiler
         self._is_taken = is_taken
         self._check_admissible = check_admissible
+        self._sampling_defaults = sampling_defaults or SamplingDefaults()
 
     def process(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
                 priority: int = 0, arrival_time: float | None = None,
                 cache_salt: str | None = None, lora_request: LoRARequest | None = None,
                 tenant: str | None = None) -> ProcessedRequest:
         """Raises ValueError naming what is wrong; nothing is kept then."""
-        params = params or SamplingParams()
+        params = params or self._sampling_defaults.sampling_params()
         check_tenant(tenant)
         sequences = fan_out(request_id, params)
         prompt_text = prompt if isinstance(prompt, str) else None

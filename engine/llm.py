@@ -26,6 +26,13 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: what `generate` samples with when given no SamplingParams, the model's
+        generation_config values (engine argument generation_config) over SamplingParams'
+        own defaults. A SamplingParams the caller builds starts from SamplingParams' own
+        defaults, as in vLLM."""
+        return self.llm_engine.sampling_defaults.sampling_params()
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool | None = None,
@@ -38,7 +45,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Iterable
 
 from engine.config import EngineConfig
+from engine.config.generation import load_sampling_defaults
 from engine.core.kv_cache.publisher import NullEventPublisher
 from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -13,6 +14,7 @@ from engine.faults import FaultPlan
 from engine.input_processor import InputProcessor
 from engine.lora.request import LoRARequest
 from engine.metrics.trace import NullTrace
+from engine.models.model_files import resolve_model_dir
 from engine.output.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sample.sampler import SamplingError
@@ -68,6 +70,11 @@ class LLMEngine:
         elif engine_args:
             raise ValueError("pass either an EngineConfig or engine arguments, not both")
         self._tensor_parallel = self.kv_events = self.trace = None  # what close() stops
+        # vLLM's generation_config: the sampling values a request's absent keys take, read
+        # once; before the weights load, so a bad file fails at once (nothing to stop yet).
+        self.sampling_defaults = load_sampling_defaults(
+            config.generation_config, config.override_generation_config,
+            resolve_model_dir(config.model))
         parts = start_engine(config, faults or FaultPlan())
         self.config = parts.config
         self.loaded = parts.loaded
@@ -90,7 +97,8 @@ class LLMEngine:
             self.tokenizer, self.loaded.vocab_size, self.eos_token_ids,
             self.config.scheduler.max_model_len, self.config.max_logprobs, self.lora,
             self.grammar_compiler, is_taken=self.output_processor.__contains__,
-            check_admissible=self.scheduler.check_new_request)
+            check_admissible=self.scheduler.check_new_request,
+            sampling_defaults=self.sampling_defaults)
         self.prompt_tokens_total = 0
         # What the latest step computed, vLLM's iteration tokens: the prompt tokens it
         # scheduled plus the tokens it sampled (a decode's scheduled token is its sampled

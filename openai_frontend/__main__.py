@@ -7,6 +7,7 @@ import os
 from typing import Mapping
 
 from openai_frontend.options import FrontendOptions
+from openai_frontend.reasoning import PARSERS as REASONING_PARSERS
 from openai_frontend.tool_parsers import PARSERS
 
 DEFAULT_PORT = 9000
@@ -39,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="how the model writes tool calls (vLLM's parser names)")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="tool_choice=auto: find calls in the text with --tool-call-parser")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="split a thinking model's <think>...</think> text into the "
+                             "message's reasoning_content (vLLM's parser names)")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters served as model ids (vLLM's flag: name=path or "
                              "JSON); each name must be one of the Triton model's "
@@ -117,6 +121,7 @@ def frontend_options(args: argparse.Namespace,
         api_keys=api_keys(args.api_key, dict(environ)),
         triton_admin_key=read_key(args.triton_admin_key, None, environ, "--triton-admin-key"),
         tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
+        reasoning_parser=getattr(args, "reasoning_parser", None),
         triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len,
         lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
         runtime_lora_updating=runtime_updating(environ),

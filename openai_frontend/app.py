@@ -28,6 +28,7 @@ from openai_frontend.mapping import chat_request, completion_request
 from openai_frontend.metrics_proxy import RouteMetrics, metrics_response
 from openai_frontend.options import FrontendOptions
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
+from openai_frontend.reasoning import ReasoningParser
 from openai_frontend.responses import ChatFormat, CompletionFormat, OutputFormat
 from openai_frontend.served_adapters import ServedAdapters
 from openai_frontend.streaming import stream_response
@@ -74,6 +75,8 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
     app.add_middleware(BodyLimitMiddleware, limit=options.max_request_bytes)
 
     adapters = ServedAdapters(options.lora_modules)
+    reasoning = (None if options.reasoning_parser is None
+                 else ReasoningParser.for_tokenizer(options.reasoning_parser, tokenizer))
 
     def model_card(name: str = served_model_name) -> dict[str, Any]:
         card = {"id": name, "object": "model", "created": created,
@@ -160,12 +163,16 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         prompt = await off_loop(render_chat, tokenizer, body.messages, body.add_generation_prompt,
                                 body.continue_final_message, body.chat_template_kwargs,
                                 body.tools)
-        triton_request = with_adapter(chat_request(
-            body, prompt, constraint,
-            keep_special_tokens=plan is not None and plan.keeps_special_tokens), body.model)
+        keep_special = ((plan is not None and plan.keeps_special_tokens)
+                        or (reasoning is not None and reasoning.keeps_special_tokens))
+        triton_request = with_adapter(chat_request(body, prompt, constraint,
+                                                   keep_special_tokens=keep_special), body.model)
+        reading = None if reasoning is None else reasoning.plan(
+            prompt, body.chat_template_kwargs,
+            constrained="structured_outputs" in triton_request.sampling)
         return await answer(request, triton_request,
                             ChatFormat(body.model, top_logprobs=body.top_logprobs or 0,
-                                       tools=plan))
+                                       tools=plan, reasoning=reading))
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest, request: Request):

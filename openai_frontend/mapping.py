@@ -3,7 +3,9 @@
 Pure (no Triton, no HTTP), so every rule is unit-tested. Values are forwarded, not
 checked: the backend validates each one and names the field (INVALID_ARG -> 400), so the
 ranges live in one place (engine/core/request.py). Only what has no `llm` equivalent is
-refused here."""
+refused here. Only the sampling fields a client set are sent: the `llm` model gives the
+others the model's generation_config defaults (engine/config/generation.py), as vLLM's
+server does, and vLLM's own defaults without them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -17,6 +19,8 @@ _PASSTHROUGH = ("temperature", "top_p", "n", "stop", "seed", "presence_penalty",
                 "frequency_penalty", "top_k", "min_p", "repetition_penalty", "min_tokens",
                 "ignore_eos", "stop_token_ids", "include_stop_str_in_output",
                 "skip_special_tokens", "priority")
+# OpenAI's (and vLLM's CompletionRequest) max_tokens when a completion names none.
+COMPLETION_MAX_TOKENS = 16
 # vLLM's older per-kind fields -> the key of vLLM's StructuredOutputsParams.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
            "guided_grammar": "grammar"}
@@ -42,10 +46,14 @@ def completion_request(req: CompletionRequest) -> TritonRequest:
         raise bad_request("echo with logprobs needs prompt logprobs, which this server "
                           "does not compute", "echo")
     sampling = _sampling(req)
-    # OpenAI's default for completions is 16 tokens, the engine's default too: unset
-    # stays unset.
-    if req.max_tokens is not None:
+    # OpenAI's and vLLM's completions default, sent: the model's generation_config
+    # max_new_tokens (which the `llm` model puts under absent keys) is not a completion's
+    # default in vLLM. An explicit null is vLLM's "unset": that default, else up to the
+    # context's end, as for chat.
+    if "max_tokens" in req.model_fields_set:
         sampling["max_tokens"] = req.max_tokens
+    else:
+        sampling["max_tokens"] = COMPLETION_MAX_TOKENS
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
     return _triton_request(req, prompts, sampling, req.logprobs is not None)
@@ -74,7 +82,8 @@ def chat_request(req: ChatCompletionRequest, prompt: str,
     if keep_special_tokens:
         sampling["skip_special_tokens"] = False
     # OpenAI's chat default is "until the model stops or the context is full", which
-    # is the engine's max_tokens=None (bounded by max_model_len).
+    # is the engine's max_tokens=None (bounded by max_model_len); the `llm` model gives a
+    # null the model's generation_config max_new_tokens instead when it has one (vLLM's).
     limit = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     sampling["max_tokens"] = limit
     if req.logprobs:

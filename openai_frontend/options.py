@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from openai_frontend.lora_modules import LoRAModule
+from openai_frontend.reasoning import check_parser_name
 from openai_frontend.tool_calls import ToolCallConfig
 
 
@@ -15,6 +16,8 @@ class FrontendOptions:
     # Triton's admin-key header (backend/restricted_api.py) for its model-config API.
     triton_admin_key: str | None = None
     tool_calls: ToolCallConfig = field(default_factory=ToolCallConfig)
+    # --reasoning-parser (openai_frontend/reasoning.py's names); None: no reasoning split.
+    reasoning_parser: str | None = None
     # Triton's metrics endpoint, re-exported at /metrics; None: no /metrics route.
     triton_metrics_url: str | None = None
     # For /tokenize's max_model_len; None: the `llm` model's config parameter, then
@@ -34,3 +37,7 @@ class FrontendOptions:
     stream_idle_timeout: float | None = 30.0
     # Threads that tokenize and render chat templates, off the event loop.
     tokenizer_threads: int = 2
+
+    def __post_init__(self) -> None:
+        if self.reasoning_parser is not None:
+            check_parser_name(self.reasoning_parser)  # at startup, not per request

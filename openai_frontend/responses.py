@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from openai_frontend.reasoning import ReasoningPlan, ReasoningStream
 from openai_frontend.tool_calls import (ToolPlan, ToolStream, extract, finish_reason,
                                         message_tool_calls)
 
@@ -27,6 +28,8 @@ class ChoiceState:
     completion_tokens: int = 0
     # Chat with tools, streamed: what of the text went out as content / tool calls.
     tools: ToolStream | None = None
+    # Chat with --reasoning-parser, streamed: where the text is (reasoning or content).
+    reasoning: ReasoningStream | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -97,6 +100,9 @@ class ChatFormat(OutputFormat):
     top_logprobs: int = 0
     # The request's tools (openai_frontend/tool_calls.py); None: plain text replies.
     tools: ToolPlan | None = None
+    # --reasoning-parser's reading of this request (openai_frontend/reasoning.py); None:
+    # no parser, the whole text is content and no reasoning fields are sent.
+    reasoning: ReasoningPlan | None = None
 
     def choice(self, index: int, text: str, finish_reason_: str | None,
                positions: Positions | None, state: ChoiceState,
@@ -111,13 +117,22 @@ class ChatFormat(OutputFormat):
         if not state.started:
             delta["role"] = "assistant"
         content, tool_deltas = text, []
+        if self.reasoning is not None:
+            # First the reasoning: only what follows it is content (and may hold calls).
+            state.reasoning = state.reasoning or self.reasoning.stream()
+            reasoning, content = state.reasoning.feed(text)
+            if finish_reason_ is not None:
+                tail_reasoning, tail_content = state.reasoning.finish()
+                reasoning, content = reasoning + tail_reasoning, content + tail_content
+            if reasoning:
+                delta.update(_reasoning_fields(reasoning))
         if self.tools is not None:
             state.tools = state.tools or ToolStream(self.tools)
-            content, tool_deltas = state.tools.feed(text)
+            content, tool_deltas = state.tools.feed(content)
             if finish_reason_ is not None:
                 content += state.tools.flush()
                 finish_reason_ = finish_reason(self.tools, finish_reason_, state.tools.called)
-        if content or not state.started:
+        if content or not (state.started or "reasoning" in delta):
             delta["content"] = content
         if tool_deltas:
             delta["tool_calls"] = tool_deltas
@@ -129,15 +144,26 @@ class ChatFormat(OutputFormat):
 
     def _message(self, text: str, reason: str | None, state: ChoiceState) -> dict[str, Any]:
         state.finish_reason = reason
+        reasoning: dict[str, Any] = {}
+        if self.reasoning is not None:
+            thought, text = self.reasoning.split(text)
+            reasoning = _reasoning_fields(thought)
         if self.tools is None:
-            return {"role": "assistant", "content": text, "refusal": None, "tool_calls": []}
-        found = extract(self.tools, text)
+            return {"role": "assistant", "content": text, "refusal": None, "tool_calls": [],
+                    **reasoning}
+        found = extract(self.tools, text or "")
         state.finish_reason = finish_reason(self.tools, reason, bool(found.calls))
         content = found.content
         if self.tools.kind != "auto":
             content = content or ""  # vLLM's message for named / required
         return {"role": "assistant", "content": content, "refusal": None,
-                "tool_calls": message_tool_calls(found.calls)}
+                "tool_calls": message_tool_calls(found.calls), **reasoning}
+
+
+def _reasoning_fields(text: str | None) -> dict[str, Any]:
+    """The reasoning under both names clients read: `reasoning_content` (DeepSeek's API,
+    vLLM before its rename) and `reasoning` (vLLM 0.32's)."""
+    return {"reasoning_content": text, "reasoning": text}
 
 
 def completion_logprobs(positions: Positions, text_offset: int) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from typing import Any, Mapping
 
 from engine.config.cache import CacheConfig
 from engine.config.checks import check_positive
+from engine.config.generation import check_generation_config, parse_override
 from engine.config.kv_events import KVEventsConfig
 from engine.config.lora import LoRAConfig
 from engine.config.scheduler import SchedulerConfig
@@ -66,6 +67,13 @@ class EngineConfig:
     # vLLM's disable_sliding_window: windowed layers attend to the whole context, and
     # max_model_len is capped at the window (engine/config/sliding_window.py).
     disable_sliding_window: bool = False
+    # vLLM's generation_config: where a request's absent sampling keys get their values.
+    # "auto": the model's generation_config.json; "vllm": SamplingParams' own defaults; a
+    # folder: its generation_config.json (engine/config/generation.py).
+    generation_config: str = "auto"
+    # vLLM's override_generation_config: generation_config.json keys merged over that
+    # (with "vllm", alone), e.g. {"temperature": 0.5}; None: none.
+    override_generation_config: dict | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -74,6 +82,9 @@ class EngineConfig:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
         if self.model_impl not in MODEL_IMPLS:
             raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
+        check_generation_config(self.generation_config)
+        self.override_generation_config = parse_override("override_generation_config",
+                                                         self.override_generation_config)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
         if self.max_logprobs < 0:
@@ -131,6 +142,8 @@ class EngineConfig:
             section, f = owner[key]
             if key == "kv_events_config":
                 value = KVEventsConfig.from_value(f"engine argument {key!r}", raw)
+            elif key == "override_generation_config":  # an object, or its JSON text
+                value = parse_override(f"engine argument {key!r}", raw)
             else:
                 value = convert(f"engine argument {key!r}", raw, str(f.type))
             (nested[section] if section else top)[key] = value

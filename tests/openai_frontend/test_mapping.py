@@ -43,8 +43,12 @@ def test_completion_parameters_are_forwarded_under_vllm_names():
     assert req.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "n": 2, "stop": ["\n"],
                             "seed": 3, "logprobs": 2, "presence_penalty": 0.1, "top_k": 5,
                             "min_tokens": 1}
-    # Unset stays unset: OpenAI's completions default (16 tokens) is the engine's.
-    assert completion().sampling == {} and not completion().logprobs
+    # Unset sampling fields stay unset (the `llm` model fills them from the model's
+    # generation_config); max_tokens takes OpenAI's completions default (16) as vLLM's
+    # CompletionRequest does, so the model's max_new_tokens never replaces it, and an
+    # explicit null is vLLM's "unset": the model's default, else the context's end.
+    assert completion().sampling == {"max_tokens": 16} and not completion().logprobs
+    assert completion(max_tokens=None).sampling == {"max_tokens": None}
 
 
 def test_completion_prompt_forms():
@@ -54,7 +58,7 @@ def test_completion_prompt_forms():
     refused(lambda: completion(suffix="x"), "suffix")
     refused(lambda: completion(best_of=3), "best_of")
     refused(lambda: completion(echo=True, logprobs=1), "echo")
-    assert completion(best_of=1).sampling == {}
+    assert completion(best_of=1).sampling == {"max_tokens": 16}
 
 
 def test_chat_limits_and_logprobs():
@@ -94,7 +98,7 @@ def test_unknown_fields_are_ignored_with_a_warning_and_bad_values_refused(caplog
     with caplog.at_level("WARNING", logger="openai_frontend"):
         req = CompletionRequest(model="m", prompt="x", max_token=3, stream_options=None,
                                 response_format={"type": "text", "x_vendor": 1})
-    assert completion_request(req).sampling == {} and not hasattr(req, "max_token")
+    assert completion_request(req).sampling == {"max_tokens": 16} and not hasattr(req, "max_token")
     assert "max_token" in caplog.text and "x_vendor" in caplog.text
     chat_req = ChatCompletionRequest(model="m", messages=USER, reasoning_effort="low")
     assert "reasoning_effort" not in chat_request(chat_req, "P").sampling
@@ -103,7 +107,7 @@ def test_unknown_fields_are_ignored_with_a_warning_and_bad_values_refused(caplog
         CompletionRequest(model="m", prompt="x", temperature="hot")
     refused(lambda: completion(logit_bias={"1": 5.0}), "logit_bias")
     # Fields with no effect on a self-hosted model are accepted, and not forwarded.
-    assert completion(user="u", store=False, metadata={"k": "v"}).sampling == {"tenant": "u"}
+    assert completion(user="u", store=False, metadata={"k": "v"}).sampling == {"tenant": "u", "max_tokens": 16}
 
 
 @pytest.mark.parametrize("message,status,param", [
