@@ -34,14 +34,16 @@ def lora_add(x: torch.Tensor, y: torch.Tensor, segments: lora_ops.LoRASegments,
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """torch_ops.decode_attention per row: its context is padded to its own length's
-    blocks, never to the longest row of the batch."""
+    blocks (its own window's, with sliding_window), never to the longest row of the batch."""
     if query.shape[0] == 0:
         return torch.empty_like(query)
     return torch.cat([
         torch_ops.decode_attention(query[r:r + 1], key_cache, value_cache,
-                                   block_tables[r:r + 1], seq_lens[r:r + 1], scale)
+                                   block_tables[r:r + 1], seq_lens[r:r + 1], scale,
+                                   sliding_window=sliding_window, soft_cap=soft_cap)
         for r in range(query.shape[0])])
 
 

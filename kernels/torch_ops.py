@@ -8,12 +8,15 @@ which has no Triton kernel for them. Paged layout and semantics: docs/CONTRACTS.
 
 Decode rows (one query token per sequence) are handled for the whole batch at once;
 each prefill chunk (query length > 1) goes through scaled_dot_product_attention with
-its own causal mask, since its keys also include previously cached tokens.
+its own causal mask, since its keys also include previously cached tokens. Attention
+with a sliding window or a logit soft cap is kernels/torch_windowed.py's.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels import torch_windowed
 
 # With a fast decode kernel, prefill chunks whose query_len * seq_len is at most this go
 # through it as decode rows (row j of a chunk ending at seq_len attends to the first
@@ -46,7 +49,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, decode=None, rows_only: bool = False,
-                    rows_max_work: int = ROWS_MAX_WORK, prefill=None) -> torch.Tensor:
+                    rows_max_work: int = ROWS_MAX_WORK, prefill=None, *,
+                    sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of each sequence's query chunk over its paged context.
 
     Like the Triton path, this trusts the host-side max_query_len: when it is 1 and
@@ -58,14 +63,19 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     a token's attention then depends on its position alone, not on its chunk).
     `rows_max_work`: the short-chunk limit for `decode`, where SDPA is faster than usual.
     `prefill`: a kernel for every other chunk at once, (query, key_cache, value_cache,
-    block_tables, chunk_starts, chunk_lens, seq_lens, scale, out) -> whether it wrote
-    them into `out`; where it declines, each chunk runs SDPA (prefill_attention).
+    block_tables, chunk_starts, chunk_lens, seq_lens, scale, out, sliding_window=,
+    soft_cap=) -> whether it wrote them into `out`; where it declines, each chunk runs
+    SDPA (prefill_attention). `decode` takes sliding_window= and soft_cap= too.
+    `sliding_window` (W: a query at position p sees keys p - W + 1 .. p) and `soft_cap`
+    (logits s -> soft_cap * tanh(s / soft_cap) after scaling): None is plain causal
+    attention (kernels/torch_windowed.py).
     """
+    options = attention_options(sliding_window, soft_cap)
     fast_decode = decode
     decode = decode or decode_attention
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if max_query_len == 1 and num_tokens == num_seqs and int(query_start_loc[-1]) == num_tokens:
-        return decode(query, key_cache, value_cache, block_tables, seq_lens, scale)
+        return decode(query, key_cache, value_cache, block_tables, seq_lens, scale, **options)
 
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     _check_lengths(query_lens, seq_lens)
@@ -77,7 +87,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     if rows_only:
         as_rows = torch.ones_like(as_rows)
     elif fast_decode is not None:
-        as_rows |= query_lens.long() * seq_lens.long() <= rows_max_work
+        context = seq_lens.long()
+        if sliding_window is not None:  # the work is over the chunk's windows alone
+            context = torch.minimum(context, query_lens.long() + sliding_window - 1)
+        as_rows |= query_lens.long() * context <= rows_max_work
     if bool(as_rows.any()):
         seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=query.device),
                                                query_lens.long(), output_size=total_tokens)
@@ -87,7 +100,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         row_lens = seq_lens.index_select(0, row_seqs) - (
             query_start_loc.index_select(0, row_seqs + 1) - 1 - rows)
         decoded = decode(query.index_select(0, rows), key_cache, value_cache,
-                         block_tables.index_select(0, row_seqs), row_lens.to(seq_lens.dtype), scale)
+                         block_tables.index_select(0, row_seqs), row_lens.to(seq_lens.dtype), scale,
+                         **options)
         out.index_copy_(0, rows, decoded)
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
@@ -103,13 +117,21 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         picked = torch.tensor(chunks)
         if prefill(query, key_cache, value_cache, block_tables.index_select(0, picked),
                    query_start_loc.index_select(0, picked), query_lens.index_select(0, picked),
-                   seq_lens.index_select(0, picked), scale, out):
+                   seq_lens.index_select(0, picked), scale, out, **options):
             return out
     for seq in chunks:
         start, end = starts[seq], starts[seq + 1]
         out[start:end] = prefill_attention(query[start:end], key_cache, value_cache,
-                                           block_tables[seq], lengths[seq], scale)
+                                           block_tables[seq], lengths[seq], scale, **options)
     return out
+
+
+def attention_options(sliding_window: int | None, soft_cap: float | None) -> dict:
+    """The keyword arguments that pass a window / soft cap on to a kernel: none when both
+    are off, so today's callables (and their stand-ins in tests) are called as today."""
+    if sliding_window is None and soft_cap is None:
+        return {}
+    return dict(sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def _check_lengths(query_lens: torch.Tensor, seq_lens: torch.Tensor) -> None:
@@ -131,8 +153,12 @@ def gather_context(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor:
     """One query token per sequence: query [N, H, D] -> [N, H, D]."""
+    if sliding_window is not None or soft_cap is not None:
+        return torch_windowed.decode_attention(query, key_cache, value_cache, block_tables,
+                                               seq_lens, scale, sliding_window, soft_cap)
     num_seqs, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -181,8 +207,13 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      block_table: torch.Tensor, seq_len: int, scale: float) -> torch.Tensor:
+                      block_table: torch.Tensor, seq_len: int, scale: float,
+                      sliding_window: int | None = None,
+                      soft_cap: float | None = None) -> torch.Tensor:
     """One sequence's query chunk [Q, H, D], the last Q of its seq_len positions."""
+    if sliding_window is not None or soft_cap is not None:
+        return torch_windowed.prefill_attention(query, key_cache, value_cache, block_table,
+                                                seq_len, scale, sliding_window, soft_cap)
     query_len, num_heads, head_dim = query.shape
     block_size, num_kv_heads = key_cache.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads

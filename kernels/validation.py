@@ -10,6 +10,9 @@ import numbers
 import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+# A window this long or longer is no window (no context is that long); the kernels take
+# the window as a 32-bit int, clamped to this.
+MAX_WINDOW = 1 << 30
 
 
 def _same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -72,7 +75,8 @@ def check_reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: t
 def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                           block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                           seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                          max_seq_len: int) -> None:
+                          max_seq_len: int, sliding_window: int | None = None,
+                          soft_cap: float | None = None) -> None:
     check_kv_caches(key_cache, value_cache)
     if query.dim() != 3:
         _fail("query", f"expected [num_tokens, num_heads, head_dim], got shape {tuple(query.shape)}")
@@ -105,3 +109,17 @@ def check_paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     if max_seq_len > block_tables.shape[1] * key_cache.shape[1]:
         _fail("max_seq_len", f"{max_seq_len} exceeds what block_tables can address "
               f"({block_tables.shape[1]} blocks x {key_cache.shape[1]} tokens)")
+    check_window_and_cap(sliding_window, soft_cap)
+
+
+def check_window_and_cap(sliding_window: int | None, soft_cap: float | None) -> None:
+    """None turns each feature off; a window of W keys (the query's own included) is an
+    int >= 1, a soft cap a positive finite real (0 would divide by zero in the tanh)."""
+    if sliding_window is not None and not (
+            isinstance(sliding_window, numbers.Integral) and not isinstance(sliding_window, bool)
+            and sliding_window >= 1):
+        _fail("sliding_window", f"expected None or an int >= 1, got {sliding_window!r}")
+    if soft_cap is not None and not (
+            isinstance(soft_cap, numbers.Real) and not isinstance(soft_cap, bool)
+            and 0 < soft_cap < float("inf")):
+        _fail("soft_cap", f"expected None or a positive finite float, got {soft_cap!r}")

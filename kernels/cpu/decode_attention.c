@@ -9,12 +9,19 @@
  *
  * Layouts (docs/CONTRACTS.md): query/out [S, H, D]; caches [blocks, block_size, KVH, D];
  * block_tables [S, max_blocks] int32; seq_lens [S] int32. dtype: bf16 (1) or fp32 (0).
+ *
+ * Sliding window W (0: none): the row at position len - 1 sees keys len - W .. len - 1,
+ * and the loops start at the block holding len - W: blocks before it are never read (the
+ * KV manager frees them while the request runs, their table entries naming a placeholder
+ * of garbage), so a windowed decode costs O(W) whatever the context. Soft cap (0: none):
+ * each scaled score s becomes cap * tanh(s / cap) before the softmax (soft_cap.h).
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "soft_cap.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128
@@ -23,9 +30,14 @@ typedef struct {
     const void *query, *key_cache, *value_cache;
     void *out;
     const int32_t *block_tables, *seq_lens;
-    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16;
-    float scale;
+    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16, window;
+    float scale, soft_cap;
 } job_t;
+
+/* The first position a row at len - 1 sees. */
+static inline int window_start(const job_t *job, int len) {
+    return job->window > 0 && len > job->window ? len - job->window : 0;
+}
 
 static inline void load_row(const void *base, int64_t offset, int is_bf16, int n, float *dst) {
     if (is_bf16) {
@@ -55,8 +67,10 @@ static inline __attribute__((always_inline)) void run_item_d(const job_t *job, i
         row_max[h] = -1e30f;  /* finite, so the build may use fast-math */
         row_sum[h] = 0.f;
     }
-    for (int start = 0; start < len; start += bs) {
+    const int lo = window_start(job, len), first = lo / bs * bs;
+    for (int start = first; start < len; start += bs) {
         const int n = (len - start < bs) ? len - start : bs;
+        const int l = lo > start ? lo - start : 0;  /* this block's keys before the window */
         const int64_t base = (int64_t)table[start / bs] * bs * row;
         if (start + bs < len) {
             /* Blocks sit anywhere in a pool far larger than the caches: fetch the next
@@ -70,30 +84,34 @@ static inline __attribute__((always_inline)) void run_item_d(const job_t *job, i
                 __builtin_prefetch(next_v + off, 0, 1);
             }
         }
-        load_row(job->key_cache, base, job->is_bf16, n * row, &kv[0][0]);
+        load_row(job->key_cache, base + (int64_t)l * row, job->is_bf16, (n - l) * row, &kv[l][0]);
         for (int h = 0; h < heads; h++) {
             const float *qh = q[h];
             const int off = (h / group) * d;
             float m = row_max[h];
-            for (int t = 0; t < n; t++) {
+            for (int t = l; t < n; t++) {
                 float s = 0.f;
                 for (int i = 0; i < d; i++) s += qh[i] * kv[t][off + i];
                 scores[h][t] = s;
-                m = s > m ? s : m;
             }
+            if (job->soft_cap > 0.f) soft_cap_scores(scores[h] + l, n - l, job->soft_cap);
+            for (int t = l; t < n; t++) m = scores[h][t] > m ? scores[h][t] : m;
             /* Nothing to correct on the first block (and expf's underflow path is slow). */
-            const float correction = start == 0 ? 0.f : expf(row_max[h] - m);
+            const float correction = start == first ? 0.f : expf(row_max[h] - m);
             float sum = row_sum[h] * correction;
-            for (int t = 0; t < n; t++) { scores[h][t] = expf(scores[h][t] - m); sum += scores[h][t]; }
+            for (int t = l; t < n; t++) {
+                scores[h][t] = expf(scores[h][t] - m);
+                sum += scores[h][t];
+            }
             row_max[h] = m;
             row_sum[h] = sum;
             for (int i = 0; i < d; i++) acc[h][i] *= correction;
         }
-        load_row(job->value_cache, base, job->is_bf16, n * row, &kv[0][0]);
+        load_row(job->value_cache, base + (int64_t)l * row, job->is_bf16, (n - l) * row, &kv[l][0]);
         for (int h = 0; h < heads; h++) {
             const int off = (h / group) * d;
             float *ah = acc[h];
-            for (int t = 0; t < n; t++) {
+            for (int t = l; t < n; t++) {
                 const float p = scores[h][t];
                 for (int i = 0; i < d; i++) ah[i] += p * kv[t][off + i];
             }
@@ -112,7 +130,7 @@ static inline __attribute__((always_inline)) void run_item_d(const job_t *job, i
     }
 }
 
-/* ---- the vector path: head_dim a multiple of 2 * VL (<= 128), <= 8 query heads a KV head ----
+/* ---- the vector path: head_dim a multiple of 2 * VL (<= 256), <= 8 query heads a KV head ----
  * The per-lane loop above converts a block to float32 in a stack buffer and sums each
  * score on its own; on one Sapphire Rapids core it read 8 GB/s of bf16 KV. Here each
  * K/V row is widened in registers, a query group's partial dot products for VL tokens
@@ -137,7 +155,7 @@ typedef uint32_t vu __attribute__((vector_size(VL * 4)));
 /* fixed bounds, not VLAs: gcc saves and restores the stack pointer around a VLA in a
  * loop body, and keeps its elements in memory */
 #define VEC_MAX_GROUP 8
-#define VEC_MAX_DV (128 / VL)  /* head_dim <= 128 */
+#define VEC_MAX_DV (256 / VL)  /* head_dim <= 256 (Gemma's) */
 
 /* dv vectors of a row of dv * VL values. bf16: each 2 * VL values are one vector load
  * whose even elements (low halves) widen by a shift and odd ones (high halves) by a
@@ -219,7 +237,9 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
         row_max[h] = NEG_LARGE;
         row_sum[h] = 0.f;
     }
-    for (int start = 0; start < len; start += bs) {
+    const int lo = window_start(job, len);
+    const float cap = job->soft_cap;
+    for (int start = lo / bs * bs; start < len; start += bs) {
         const int64_t base = (int64_t)table[start / bs] * bs * row;
         const int has_next = start + bs < len;
         const int64_t next = has_next ? (int64_t)table[start / bs + 1] * bs * row : 0;
@@ -237,10 +257,13 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                 int n = len - start - c;  /* tokens in this chunk: <= VL, in the block */
                 n = n < VL ? n : VL;
                 n = n < bs - c ? n : bs - c;
+                /* tokens before the window (only in its first block): not read */
+                const int skip = lo - start - c;
+                if (skip >= n) continue;
                 const int64_t chunk = base + (int64_t)c * row + kh * d;
                 vf part[VEC_MAX_GROUP][VL];
                 for (int t = 0; t < VL; t++) {
-                    if (t < n) {
+                    if (t < n && t >= skip) {
                         vf k[VEC_MAX_DV];
                         load_vectors(job->key_cache, chunk + (int64_t)t * row, is_bf16, dv, k);
                         for (int g = 0; g < group; g++) {
@@ -264,14 +287,19 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                     }
                 }
                 float p[VEC_MAX_GROUP][VL];
-                const vi valid = lane < (vi){0} + n;
+                const vi valid = (lane < (vi){0} + n) & (lane >= (vi){0} + skip);
                 for (int g = 0; g < group; g++) {
                     const int h = kh * group + g;
                     vf s = transpose_sum(part[g]);
-                    s = (vf)(((vi)s & valid) | ((vi)((vf){0} + NEG_LARGE) & ~valid));
                     /* through memory: gcc vectorizes (libmvec's expf) loops over arrays,
                      * not over a vector's elements */
                     float *pg = p[g];
+                    if (cap > 0.f) {
+                        memcpy(pg, &s, sizeof s);
+                        soft_cap_scores(pg, VL, cap);
+                        memcpy(&s, pg, sizeof s);
+                    }
+                    s = (vf)(((vi)s & valid) | ((vi)((vf){0} + NEG_LARGE) & ~valid));
                     memcpy(pg, &s, sizeof s);
                     float m = row_max[h];
                     for (int t = 0; t < VL; t++) m = pg[t] > m ? pg[t] : m;
@@ -284,7 +312,7 @@ static inline __attribute__((always_inline)) void run_item_vec(const job_t *job,
                     row_sum[h] = row_sum[h] * correction + sum;
                     for (int j = 0; j < dv; j++) acc[g][j] *= correction;
                 }
-                for (int t = 0; t < n; t++) {
+                for (int t = skip > 0 ? skip : 0; t < n; t++) {
                     vf v[VEC_MAX_DV];
                     load_vectors(job->value_cache, chunk + (int64_t)t * row, is_bf16, dv, v);
                     #pragma GCC unroll 8
@@ -329,6 +357,8 @@ static void run_item(const job_t *job, int64_t seq) {
         VEC_CASE(1, 64) VEC_CASE(2, 64) VEC_CASE(3, 64) VEC_CASE(4, 64) VEC_CASE(8, 64)
         VEC_CASE(1, 128) VEC_CASE(2, 128) VEC_CASE(3, 128) VEC_CASE(4, 128) VEC_CASE(7, 128)
         VEC_CASE(8, 128)
+        /* Gemma 2/3 (2, 256 and 4 / 1, 256) */
+        VEC_CASE(1, 256) VEC_CASE(2, 256) VEC_CASE(4, 256)
         run_item_vec(job, seq, group, dv);
         return;
     }
@@ -339,19 +369,36 @@ static void run_item(const job_t *job, int64_t seq) {
     }
 }
 
-/* Returns 0 on success, a negative code for shapes this kernel does not handle. */
-int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
-                           void *out, const int32_t *block_tables, const int32_t *seq_lens,
-                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, int max_blocks, float scale, int is_bf16,
-                           int num_threads) {
-    if (head_dim > MAX_HEAD_DIM || num_heads > MAX_HEADS || block_size > 128) return -1;
+/* Returns 0 on success, a negative code for shapes this kernel does not handle. window:
+ * keys a row sees (itself included), 0 for all; soft_cap: 0 for none. */
+int paged_decode_attention_windowed(const void *query, const void *key_cache,
+                                    const void *value_cache, void *out,
+                                    const int32_t *block_tables, const int32_t *seq_lens,
+                                    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                    int block_size, int max_blocks, float scale, int window,
+                                    float soft_cap, int is_bf16, int num_threads) {
+    if (head_dim > MAX_HEAD_DIM || num_heads > MAX_HEADS || block_size > 128 || window < 0
+            || !(soft_cap >= 0.f))
+        return -1;
     const job_t job = {query, key_cache, value_cache, out, block_tables, seq_lens, num_heads,
-                       num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale};
+                       num_kv_heads, head_dim, block_size, max_blocks, is_bf16, window,
+                       scale, soft_cap};
     /* Dynamic chunks: sequences have very different lengths. One sequence (a single
      * stream) runs on this thread: waking the pool for it cost more than its attention. */
     #pragma omp parallel for schedule(dynamic, 2) num_threads(num_threads < 1 ? 1 : num_threads) \
         if (num_seqs > 1)
     for (int64_t seq = 0; seq < num_seqs; seq++) run_item(&job, seq);
     return 0;
+}
+
+/* Full attention, no cap: the entry the fused decode step (decode_step.c) calls. */
+int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
+                           void *out, const int32_t *block_tables, const int32_t *seq_lens,
+                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                           int block_size, int max_blocks, float scale, int is_bf16,
+                           int num_threads) {
+    return paged_decode_attention_windowed(query, key_cache, value_cache, out, block_tables,
+                                           seq_lens, num_seqs, num_heads, num_kv_heads,
+                                           head_dim, block_size, max_blocks, scale, 0, 0.f,
+                                           is_bf16, num_threads);
 }

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from kernels.cpu import features as cpu_features
+from kernels.validation import MAX_WINDOW
 
 logger = logging.getLogger(__name__)
 SOURCES = sorted(Path(__file__).parent.glob("*.c"))
@@ -100,6 +101,8 @@ def load_library() -> ctypes.CDLL | None:
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
         "paged_decode_attention": (ctypes.c_int, [ptr] * 6 + [i32] * 6 + [f32, i32, i32]),
+        "paged_decode_attention_windowed": (ctypes.c_int,
+                                            [ptr] * 6 + [i32] * 6 + [f32, i32, f32, i32, i32]),
         "add_rms_norm_bf16": (None, [ptr] * 4 + [i64, i64, f32, i32]),
         "silu_mul_bf16": (None, [ptr, ptr, i64, i64, i32]),
         "argmax_bf16": (None, [ptr, ptr, i64, i64, i32]),
@@ -184,9 +187,10 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor | None:
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                     scale: float) -> torch.Tensor | None:
-    """Same contract as reference.decode_attention; None when this kernel cannot run
-    (the caller then uses the torch path)."""
+                     scale: float, sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> torch.Tensor | None:
+    """Same contract as torch_ops.decode_attention (window and soft cap included); None
+    when this kernel cannot run (the caller then uses the torch path)."""
     lib = load_library()
     is_bf16 = _DTYPES.get(query.dtype)
     if lib is None or is_bf16 is None or key_cache.dtype != query.dtype:
@@ -198,10 +202,12 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     lens = seq_lens.to(torch.int32).contiguous()
     num_seqs, num_heads, head_dim = query.shape
     out = torch.empty_like(query)
-    status = lib.paged_decode_attention(
+    status = lib.paged_decode_attention_windowed(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), out.data_ptr(),
         tables.data_ptr(), lens.data_ptr(), num_seqs, num_heads, key_cache.shape[2], head_dim,
-        key_cache.shape[1], tables.shape[1], float(scale), is_bf16, torch.get_num_threads())
+        key_cache.shape[1], tables.shape[1], float(scale),
+        min(sliding_window or 0, MAX_WINDOW), float(soft_cap or 0.0), is_bf16,
+        torch.get_num_threads())
     return out if status == 0 else None
 
 

@@ -19,6 +19,13 @@
  * then reads (widening is exact, so the bits match the float32 kernel on the widened
  * inputs); the output is rounded to bf16 at the end (nearest-even, bf16.h).
  *
+ * Sliding window W (0: none): the row at position p sees keys p - W + 1 .. p. A tile's
+ * blocks start at the one holding its first row's lowest key, so blocks before every
+ * row's window are never read (they may be freed, their entries naming a placeholder of
+ * garbage); in a block a row sees only part of, it softmaxes its own keys and adds exact
+ * zeros for the others, so a row's bits still do not depend on its tile. Soft cap (0:
+ * none): each scaled score s becomes cap * tanh(s / cap) before the softmax.
+ *
  * Layouts (docs/CONTRACTS.md): query/out [T, H, D]; caches [blocks, block_size, KVH, D];
  * block_tables [S, max_blocks] int32; query_start_loc [S + 1] and seq_lens [S] int32.
  * head_dim a multiple of 8.
@@ -29,6 +36,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "soft_cap.h"
 #include "vec8.h"
 
 #define MAX_HEAD_DIM 256
@@ -42,8 +50,8 @@ typedef struct {
     const void *query, *key_cache, *value_cache;  /* float or uint16_t (bf16) */
     void *out;
     const int32_t *block_tables, *seq_lens;
-    int num_heads, num_kv_heads, head_dim, block_size, max_blocks;
-    float scale;
+    int num_heads, num_kv_heads, head_dim, block_size, max_blocks, window;
+    float scale, soft_cap;
 } attn_t;
 
 typedef int v8i __attribute__((vector_size(32)));
@@ -102,10 +110,12 @@ static inline __attribute__((always_inline)) void pv_2(float *acc0, float *acc1,
     }
 }
 
-/* Online softmax of one row's block of n scores, in place -> weights; returns the factor
- * the row's accumulator is rescaled by. Out of line: one copy of this arithmetic. */
-static __attribute__((noinline)) float softmax_block(float *s, int n, int first,
+/* Online softmax of one row's block of n scores, in place -> weights (soft-capped first
+ * when cap > 0); returns the factor the row's accumulator is rescaled by. Out of line:
+ * one copy of this arithmetic. */
+static __attribute__((noinline)) float softmax_block(float *s, int n, int first, float cap,
                                                      float *row_max, float *row_sum) {
+    if (cap > 0.f) soft_cap_scores(s, n, cap);
     float m = *row_max;
     for (int t = 0; t < n; t++) m = s[t] > m ? s[t] : m;
     /* Nothing to correct on the first block (and expf's underflow path is slow). */
@@ -153,7 +163,11 @@ static inline __attribute__((always_inline)) void run_tile_d(const attn_t *job, 
         }
     }
     const float *kp[MAX_BLOCK + 3], *vp[MAX_BLOCK];
-    for (int start = 0; start <= last_pos; start += bs) {
+    /* A row's lowest key (0 without a window); the tile's first row has the lowest. */
+    const int window = job->window;
+#define LOWEST(pos) (window > 0 && (pos) >= window ? (pos) - window + 1 : 0)
+    const float cap = job->soft_cap;
+    for (int start = LOWEST(first_pos) / bs * bs; start <= last_pos; start += bs) {
         const int n = (last_pos + 1 - start < bs) ? last_pos + 1 - start : bs;
         const int64_t block = (int64_t)table[start / bs] * bs * stride;
         if (start + bs <= last_pos) {
@@ -188,35 +202,50 @@ static inline __attribute__((always_inline)) void run_tile_d(const attn_t *job, 
             for (int t = n; t < n + 3; t++) kp[t] = kp[0];  /* scores past n are dropped */
             for (int r = 0; r < rows; r += 2) {
                 const int r1 = r + 1 < rows ? r + 1 : r;
-                /* Keys a row sees in this block: up to its own position. */
-                const int n0 = first_pos + r / group - start + 1;
-                const int n1 = first_pos + r1 / group - start + 1;
-                const int m0 = n0 < n ? n0 : n, m1 = n1 < n ? n1 : n;
-                if (m1 <= 0) continue;  /* rows past this block's keys (r1 sees the most) */
-                for (int t = 0; t < m1; t += 4)
+                const int p0 = first_pos + r / group, p1 = first_pos + r1 / group;
+                /* Keys a row sees in this block: l .. m - 1, from its window's start (0
+                 * without one) up to its own position. */
+                const int m0 = p0 - start + 1 < n ? p0 - start + 1 : n;
+                const int m1 = p1 - start + 1 < n ? p1 - start + 1 : n;
+                const int lo0 = LOWEST(p0), lo1 = LOWEST(p1);
+                const int l0 = lo0 > start ? lo0 - start : 0, l1 = lo1 > start ? lo1 - start : 0;
+                const int has0 = m0 > l0, has1 = r1 != r && m1 > l1;
+                if (!has0 && !has1) continue;  /* neither row sees a key of this block */
+                /* From the first key either row sees, in the score groups of 4. */
+                const int from = (has0 ? l0 : l1) & ~3, to = has1 ? m1 : m0;
+                for (int t = from; t < to; t += 4)
                     qk_2x4(q[h][r], q[h][r1], kp + t, d, scores[r] + t, scores[r1] + t);
-                float c0 = 1.f, c1 = 1.f;
-                if (m0 > 0)
-                    c0 = softmax_block(scores[r], m0, start == 0, &row_max[h][r], &row_sum[h][r]);
-                if (r1 != r)
-                    c1 = softmax_block(scores[r1], m1, start == 0, &row_max[h][r1],
-                                       &row_sum[h][r1]);
-                if (start > 0) {
-                    if (m0 > 0) for (int i = 0; i < d; i++) acc[h][r][i] *= c0;
-                    if (r1 != r) for (int i = 0; i < d; i++) acc[h][r1][i] *= c1;
+                /* Each row's first block (the one holding its lowest key) has nothing to
+                 * rescale. */
+                const int first0 = lo0 >= start, first1 = lo1 >= start;
+                if (has0) {
+                    const float c0 = softmax_block(scores[r] + l0, m0 - l0, first0, cap,
+                                                   &row_max[h][r], &row_sum[h][r]);
+                    if (!first0) for (int i = 0; i < d; i++) acc[h][r][i] *= c0;
                 }
-                if (r1 == r) {
-                    pv_2(acc[h][r], NULL, scores[r], NULL, vp, m0, d);
-                } else if (m0 <= 0) {
-                    pv_2(acc[h][r1], NULL, scores[r1], NULL, vp, m1, d);
+                if (has1) {
+                    const float c1 = softmax_block(scores[r1] + l1, m1 - l1, first1, cap,
+                                                   &row_max[h][r1], &row_sum[h][r1]);
+                    if (!first1) for (int i = 0; i < d; i++) acc[h][r1][i] *= c1;
+                }
+                if (!has1) {
+                    pv_2(acc[h][r], NULL, scores[r] + l0, NULL, vp + l0, m0 - l0, d);
+                } else if (!has0) {
+                    pv_2(acc[h][r1], NULL, scores[r1] + l1, NULL, vp + l1, m1 - l1, d);
                 } else {
-                    pv_2(acc[h][r], acc[h][r1], scores[r], scores[r1], vp, m0, d);
-                    if (m1 > m0)
-                        pv_2(acc[h][r1], NULL, scores[r1] + m0, NULL, vp + m0, m1 - m0, d);
+                    /* Together over r's keys (l0 <= l1 and m0 <= m1: r1 is no earlier),
+                     * r1 weighing its keys before l1 by exact zeros; then r1's rest. */
+                    for (int t = l0; t < l1 && t < m0; t++) scores[r1][t] = 0.f;
+                    pv_2(acc[h][r], acc[h][r1], scores[r] + l0, scores[r1] + l0, vp + l0,
+                         m0 - l0, d);
+                    const int rest = m0 > l1 ? m0 : l1;
+                    if (m1 > rest)
+                        pv_2(acc[h][r1], NULL, scores[r1] + rest, NULL, vp + rest, m1 - rest, d);
                 }
             }
         }
     }
+#undef LOWEST
     for (int h = 0; h < kv_heads; h++) {
         for (int r = 0; r < rows; r++) {
             const int p = r / group, g = r % group;
@@ -260,9 +289,10 @@ static int paged_attention(const void *query, const void *key_cache, const void 
                            const int32_t *query_start_loc, const int32_t *seq_lens,
                            int num_seqs, int num_tokens, int num_heads, int num_kv_heads,
                            int head_dim, int block_size, int max_blocks, float scale,
-                           int num_threads, int is_bf16) {
+                           int window, float soft_cap, int num_threads, int is_bf16) {
     if (head_dim > MAX_HEAD_DIM || head_dim % 8 || block_size > MAX_BLOCK
-            || num_heads > MAX_HEADS || num_kv_heads < 1 || num_heads % num_kv_heads)
+            || num_heads > MAX_HEADS || num_kv_heads < 1 || num_heads % num_kv_heads
+            || window < 0 || !(soft_cap >= 0.f))
         return -1;
     const int group = num_heads / num_kv_heads;
     const int tile = group >= TILE_ROWS ? 1 : TILE_ROWS / group;  /* positions per item */
@@ -290,7 +320,8 @@ static int paged_attention(const void *query, const void *key_cache, const void 
         }
     }
     const attn_t job = {query, key_cache, value_cache, out, block_tables, seq_lens,
-                        num_heads, num_kv_heads, head_dim, block_size, max_blocks, scale};
+                        num_heads, num_kv_heads, head_dim, block_size, max_blocks, window,
+                        scale, soft_cap};
     /* One sequence's decode (a single stream) runs on this thread: waking the pool for
      * it cost more than its attention (decode_attention.c). */
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads < 1 ? 1 : num_threads) \
@@ -310,10 +341,11 @@ int paged_attention_f32(const float *query, const float *key_cache, const float 
                         float *out, const int32_t *block_tables,
                         const int32_t *query_start_loc, const int32_t *seq_lens, int num_seqs,
                         int num_tokens, int num_heads, int num_kv_heads, int head_dim,
-                        int block_size, int max_blocks, float scale, int num_threads) {
+                        int block_size, int max_blocks, float scale, int window,
+                        float soft_cap, int num_threads) {
     return paged_attention(query, key_cache, value_cache, out, block_tables, query_start_loc,
                            seq_lens, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
-                           block_size, max_blocks, scale, num_threads, 0);
+                           block_size, max_blocks, scale, window, soft_cap, num_threads, 0);
 }
 
 /* query/caches/out bf16 (uint16_t bits), the same arguments otherwise. */
@@ -322,8 +354,8 @@ int paged_attention_bf16(const uint16_t *query, const uint16_t *key_cache,
                          const int32_t *block_tables, const int32_t *query_start_loc,
                          const int32_t *seq_lens, int num_seqs, int num_tokens, int num_heads,
                          int num_kv_heads, int head_dim, int block_size, int max_blocks,
-                         float scale, int num_threads) {
+                         float scale, int window, float soft_cap, int num_threads) {
     return paged_attention(query, key_cache, value_cache, out, block_tables, query_start_loc,
                            seq_lens, num_seqs, num_tokens, num_heads, num_kv_heads, head_dim,
-                           block_size, max_blocks, scale, num_threads, 1);
+                           block_size, max_blocks, scale, window, soft_cap, num_threads, 1);
 }

@@ -2,6 +2,9 @@
 imports this package and nothing else there (the weight types it builds, GgufWeight and
 LinearWeight, and CPU detection come through it too; tests/kernels/test_dispatch.py).
 
+Paged attention takes a layer's sliding window and logit soft cap (keywords, None for
+off); every path below implements both or declines to one that does.
+
 Each op goes, by the device of its tensors:
   CUDA -> the Triton kernel where one exists (paged attention, KV writes), else torch;
   CPU  -> the native C kernel when it handles the dtype and layout, else torch.

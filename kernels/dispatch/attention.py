@@ -8,6 +8,7 @@ from kernels.cpu import features as cpu_features
 from kernels.cpu import native as cpu_native
 from kernels.cpu import paged_attention as cpu_attention
 from kernels import torch_invariant, torch_ops
+from kernels.torch_ops import attention_options
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
 
@@ -25,32 +26,42 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
-                    max_seq_len: int, batch_invariant: bool = False) -> torch.Tensor:
+                    max_seq_len: int, batch_invariant: bool = False, *,
+                    sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     """Causal attention of every sequence's query chunk over its paged K/V -> [T, H, D].
-    `batch_invariant`: every token as a decode row (CPU; the engine refuses it on CUDA)."""
+    `batch_invariant`: every token as a decode row (CPU; the engine refuses it on CUDA).
+    `sliding_window` W: a query at position p attends to keys p - W + 1 .. p only (HF's
+    and vLLM's meaning); block-table entries of blocks wholly outside every query's
+    window are never read (they may name a freed placeholder). `soft_cap` c: each
+    scaled logit s becomes c * tanh(s / c) before the softmax (Gemma 2). None: off."""
     check_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
-                          seq_lens, scale, max_query_len, max_seq_len)
+                          seq_lens, scale, max_query_len, max_seq_len, sliding_window, soft_cap)
+    # Passed on only when set: today's calls (and the kernels' stand-ins in tests) keep
+    # today's signatures.
+    options = attention_options(sliding_window, soft_cap)
     if batch_invariant:
         return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                          query_start_loc, seq_lens, scale, max_query_len,
-                                         max_seq_len, decode=_invariant_decode, rows_only=True)
+                                         max_seq_len, decode=_invariant_decode, rows_only=True,
+                                         **options)
     if query.is_cuda:
         from kernels.triton import ops as triton_ops
         return triton_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                           query_start_loc, seq_lens, scale, max_query_len,
-                                          max_seq_len)
+                                          max_seq_len, **options)
     max_work = _tile_max_work(query.dtype)
     if query.dtype in _TILE_DTYPES and max_query_len > 1 and _chunks_fit_tiles(
-            query_start_loc, seq_lens, max_query_len, max_seq_len, max_work):
+            query_start_loc, seq_lens, max_query_len, max_seq_len, max_work, sliding_window):
         # Prefill chunks and the step's decode rows in one native call, in tiles of rows.
         out = cpu_attention.paged_attention(query, key_cache, value_cache, block_tables,
-                                            query_start_loc, seq_lens, scale)
+                                            query_start_loc, seq_lens, scale, **options)
         if out is not None:
             return out
     return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                      query_start_loc, seq_lens, scale, max_query_len,
                                      max_seq_len, decode=_cpu_decode, rows_max_work=max_work,
-                                     prefill=_cpu_prefill(query.dtype))
+                                     prefill=_cpu_prefill(query.dtype), **options)
 
 
 # The tile kernel's dtypes (bf16 computes in float32 there, as the decode kernel does).
@@ -87,32 +98,39 @@ def _cpu_prefill(dtype: torch.dtype):
 
 
 def _chunks_fit_tiles(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                      max_query_len: int, max_seq_len: int, max_work: int) -> bool:
+                      max_query_len: int, max_seq_len: int, max_work: int,
+                      sliding_window: int | None = None) -> bool:
     # Past ROWS_MAX_WORK a chunk runs faster through SDPA's fused kernel: 156 vs 235 ms
     # for one fresh 2048-token prompt, while the tiles took 61 vs 89 ms (4 x 512 tokens)
-    # against the decode kernel's rows (SmolLM2 shapes, 1 thread, AVX2 EPYC).
+    # against the decode kernel's rows (SmolLM2 shapes, 1 thread, AVX2 EPYC). With a
+    # window every path reads a chunk's windows alone, so that is its work.
     if max_query_len * max_seq_len <= max_work:
         return True
-    work = (query_start_loc[1:] - query_start_loc[:-1]).long() * seq_lens.long()
-    return int(work.max()) <= max_work
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    context = seq_lens.long()
+    if sliding_window is not None:
+        context = torch.minimum(context, query_lens + sliding_window - 1)
+    return int((query_lens * context).max()) <= max_work
 
 
-def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, **options):
     # The CPU prefill path stays torch (SDPA's fused kernel); only decode rows, and short
     # chunks run as rows (torch_ops.ROWS_MAX_WORK), take the C kernel.
-    out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                      scale, **options)
     if out is None:
         out = torch_ops.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
-                                         scale)
+                                         scale, **options)
     return out
 
 
-def _invariant_decode(query, key_cache, value_cache, block_tables, seq_lens, scale):
+def _invariant_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, **options):
     # The C kernel is one row's online softmax over its blocks, whatever the batch.
-    out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+    out = cpu_native.decode_attention(query, key_cache, value_cache, block_tables, seq_lens,
+                                      scale, **options)
     if out is None:
         out = torch_invariant.decode_attention(query, key_cache, value_cache, block_tables,
-                                               seq_lens, scale)
+                                               seq_lens, scale, **options)
     return out
 
 

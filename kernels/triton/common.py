@@ -36,12 +36,24 @@ def load_kv_tile(cache_ptr, block_table_row_ptr, positions, valid, kv_head, dims
 
 
 @triton.jit
+def soft_cap(scores, cap):
+    """cap * tanh(scores / cap), scores and cap in one unit (the kernels' log2 domain: a
+    cap c on natural logits is c * log2(e) there, as tanh's argument is a ratio).
+    tanh(x) = 1 - 2 / (1 + e^2x): e^2x overflowing to inf gives 1, underflowing -1."""
+    e = tl.exp2(scores * (2.8853900817779268 / cap))  # 2 log2(e) / cap
+    return cap * (1.0 - 2.0 / (1.0 + e))
+
+
+@triton.jit
 def online_softmax_update(scores, values, acc, running_max, running_sum, FP32_DOT: tl.constexpr):
     """Fold one tile of (log2-domain, already masked) scores and its V rows into the
-    running max / sum / weighted accumulator of flash attention."""
+    running max / sum / weighted accumulator of flash attention. A row with no key yet
+    (all -inf so far: before its sliding window) subtracts 0 instead of its -inf max,
+    which keeps its weights and correction 0 rather than NaN; any other row is as before."""
     new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-    probs = tl.exp2(scores - new_max[:, None])
-    correction = tl.exp2(running_max - new_max)
+    safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+    probs = tl.exp2(scores - safe_max[:, None])
+    correction = tl.exp2(running_max - safe_max)
     running_sum = running_sum * correction + tl.sum(probs, axis=1)
     acc = acc * correction[:, None] + dot(probs.to(values.dtype), values, FP32_DOT)
     return acc, new_max, running_sum

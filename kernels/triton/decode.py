@@ -5,24 +5,30 @@ group at once (GQA: K/V tiles are read once per group) over one partition of the
 context. With several partitions a second kernel merges the partial results using
 each partition's running max and sum of exponentials, so a small batch with long
 contexts still spreads over the whole GPU.
+
+sliding_window W > 0: the row at seq_len - 1 sees keys seq_len - W .. seq_len - 1; keys
+before that are never loaded (masked loads read nothing), partitions wholly before it
+return at once and the reduce skips them. soft_cap_log2 > 0: logits capped (common.soft_cap).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.triton.common import dot, load_kv_tile, online_softmax_update
+from kernels.triton.common import dot, load_kv_tile, online_softmax_update, soft_cap
 
 
-# Ints that follow the batch (block-table width, partition count and size) are not
-# specialized on (Triton would compile variants for == 1 and % 16 == 0): the compiled
-# set stays the one the start-up warm-up covers (kernels/triton/warmup.py).
-@triton.jit(do_not_specialize=["block_table_stride", "num_partitions", "partition_size"])
+# Ints that follow the batch (block-table width, partition count and size) or the layer
+# (its window) are not specialized on (Triton would compile variants for == 1 and
+# % 16 == 0): the compiled set stays the one the start-up warm-up covers
+# (kernels/triton/warmup.py). The soft cap is a runtime float for the same reason.
+@triton.jit(do_not_specialize=["block_table_stride", "num_partitions", "partition_size",
+                               "sliding_window"])
 def decode_partition_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         scale_log2, query_stride_token, query_stride_head, block_table_stride, num_partitions,
-        partition_size,
+        partition_size, sliding_window, soft_cap_log2,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -34,10 +40,14 @@ def decode_partition_kernel(
     query_len = tl.load(query_start_loc_ptr + seq + 1) - row
     seq_len = tl.load(seq_lens_ptr + seq)
     start = part * partition_size
-    # Partitions past the end are skipped; the reduce kernel ignores them via seq_len.
-    if (query_len == 0) | (start >= seq_len):
+    lowest = window_start(seq_len, sliding_window)
+    # Partitions past the end or before the window are skipped; the reduce kernel ignores
+    # them via seq_len and the window.
+    if (query_len == 0) | (start >= seq_len) | (start + partition_size <= lowest):
         return
     end = tl.minimum(start + partition_size, seq_len)
+    # The first tile holding a key in the window: no tile is all masked (nor all -inf).
+    first_tile = start + (tl.maximum(lowest, start) - start) // BLOCK_N * BLOCK_N
 
     groups = tl.arange(0, GROUP_P2)
     dims = tl.arange(0, DIM_P2)
@@ -50,13 +60,15 @@ def decode_partition_kernel(
     running_max = tl.full([GROUP_P2], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_P2], tl.float32)
     acc = tl.zeros([GROUP_P2, DIM_P2], tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
+    for tile_start in range(first_tile, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
-        valid = positions < end
+        valid = (positions >= lowest) & (positions < end)
         keys = load_kv_tile(key_cache_ptr, table_row, positions, valid, kv_head, dims,
                             BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         # log2-domain logits: exp2 is the native instruction
         scores = dot(query, tl.trans(keys), FP32_DOT) * scale_log2
+        if soft_cap_log2 > 0:
+            scores = soft_cap(scores, soft_cap_log2)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         values = load_kv_tile(value_cache_ptr, table_row, positions, valid, kv_head, dims,
                               BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
@@ -74,9 +86,15 @@ def decode_partition_kernel(
         tl.store(part_sum_ptr + slot, running_sum, mask=groups < GROUP)
 
 
-@triton.jit(do_not_specialize=["num_partitions", "partition_size"])
+@triton.jit
+def window_start(seq_len, sliding_window):
+    """The first key the decode row (at seq_len - 1) sees: 0 without a window (<= 0)."""
+    return tl.maximum(seq_len - tl.where(sliding_window > 0, sliding_window, seq_len), 0)
+
+
+@triton.jit(do_not_specialize=["num_partitions", "partition_size", "sliding_window"])
 def decode_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
-                         seq_lens_ptr, num_partitions, partition_size,
+                         seq_lens_ptr, num_partitions, partition_size, sliding_window,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
                          PARTS_P2: tl.constexpr):
     """Grid (sequence, head): softmax-weighted merge of the partition outputs.
@@ -91,9 +109,10 @@ def decode_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, quer
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     used = tl.cdiv(seq_len, partition_size)
+    skipped = window_start(seq_len, sliding_window) // partition_size
     parts = tl.arange(0, PARTS_P2)
     dims = tl.arange(0, DIM_P2)
-    in_use = parts < used
+    in_use = (parts < used) & (parts >= skipped)
     slot = (seq.to(tl.int64) * NUM_HEADS + head) * num_partitions + parts
     part_max = tl.load(part_max_ptr + slot, mask=in_use, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + slot, mask=in_use, other=0.0)

@@ -18,6 +18,7 @@ import triton
 from kernels.triton.cache import reshape_and_cache_kernel
 from kernels.triton.decode import decode_partition_kernel, decode_reduce_kernel
 from kernels.triton.prefill import prefill_attention_kernel
+from kernels.validation import MAX_WINDOW
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +125,8 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
 def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
-                    tiles: AttentionTiles = DEFAULT_TILES) -> torch.Tensor:
+                    tiles: AttentionTiles = DEFAULT_TILES, *, sliding_window: int | None = None,
+                    soft_cap: float | None = None) -> torch.Tensor:
     # Rows past query_start_loc[-1] (e.g. padding) stay zero, as on the CPU path.
     out = torch.zeros_like(query)
     num_seqs = block_tables.shape[0]
@@ -142,6 +144,10 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                  FP32_DOT=_interpreted() or query.dtype == torch.float32)
     common = (query, key_cache, value_cache, block_tables, query_start_loc, seq_lens)
     scale_log2 = scale * math.log2(math.e)
+    # Runtime values, 0 for off (one compiled variant whatever the layer); the kernels'
+    # logits are in log2 units, so is the cap.
+    features = (min(sliding_window or 0, MAX_WINDOW),
+                float(soft_cap or 0.0) * math.log2(math.e))
 
     if max_query_len == 1:
         plan = plan_decode(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device), tiles)
@@ -158,18 +164,18 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
             *common, out, part_out, part_max, part_sum, scale_log2,
             query.stride(0), query.stride(1), block_tables.stride(0), num_partitions,
-            plan.partition_size, GROUP_P2=max(16, triton.next_power_of_2(group)),
+            plan.partition_size, *features, GROUP_P2=max(16, triton.next_power_of_2(group)),
             SPLIT=num_partitions > 1, num_warps=tiles.num_warps, **shape)
         if num_partitions > 1:
             decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_max, part_sum, query_start_loc, seq_lens, num_partitions,
-                plan.partition_size, NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+                plan.partition_size, features[0], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                 DIM_P2=shape["DIM_P2"], PARTS_P2=plan.parts_p2, num_warps=tiles.num_warps)
         return out
 
     block_q = prefill_block_q(group, max_query_len, tiles)
     prefill_attention_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))](
         *common, out, scale_log2, query.stride(0), query.stride(1), block_tables.stride(0),
-        GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q, num_warps=tiles.num_warps,
-        **shape)
+        *features, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
+        num_warps=tiles.num_warps, **shape)
     return out

@@ -1,0 +1,88 @@
+"""Paged batches whose freed blocks hold NaN, and a dense float64 reference of windowed,
+soft-capped attention, for the window / soft-cap tests of every attention path.
+
+The reference is written from the definitions (HF's and vLLM's window: a query at position
+p sees keys p - W + 1 .. p; Gemma 2's cap: s -> c * tanh(s / c) after scaling), on each
+sequence's unpaged K/V, sharing nothing with kernels/.
+"""
+from __future__ import annotations
+
+import torch
+
+from testing.paged_batch import PagedBatch, make_paged_batch
+
+
+def windowed_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
+                   num_kv_heads: int, head_dim: int, block_size: int,
+                   window: int | None, dtype: torch.dtype = torch.float32, seed: int = 0,
+                   scale: float | None = None, query_gain: float = 1.0,
+                   device: str = "cpu") -> PagedBatch:
+    """make_paged_batch, then one more block full of NaN (the placeholder a KV manager
+    leaves where it freed a block) named by every table entry a kernel must not read:
+    blocks wholly before the union of a sequence's query windows, and the padding past
+    its own blocks. Any such read that reaches P @ V or the output turns it NaN."""
+    batch = make_paged_batch(seq_lens, query_lens, num_heads, num_kv_heads, head_dim,
+                             block_size, dtype=dtype, seed=seed)
+    placeholder = batch.key_cache.shape[0]
+    nan_block = torch.full((1, *batch.key_cache.shape[1:]), float("nan"), dtype=dtype)
+    batch.key_cache = torch.cat([batch.key_cache, nan_block])
+    batch.value_cache = torch.cat([batch.value_cache, nan_block])
+    tables = batch.block_tables.clone()
+    for seq, (seq_len, query_len) in enumerate(zip(seq_lens, query_lens)):
+        used = -(-seq_len // block_size)
+        tables[seq, used:] = placeholder
+        if window is not None and query_len > 0:
+            lowest = max(0, seq_len - query_len - window + 1)
+            tables[seq, :lowest // block_size] = placeholder
+    batch.block_tables = tables
+    if scale is not None:
+        batch.scale = scale
+    if query_gain != 1.0:  # larger logits, so that a soft cap changes them a lot
+        batch.query = (batch.query.float() * query_gain).to(dtype)
+    for name in ("query", "key_cache", "value_cache", "block_tables", "query_start_loc",
+                 "seq_lens"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
+
+
+def reference(batch: PagedBatch, window: int | None, soft_cap: float | None) -> torch.Tensor:
+    """float64 [T, H, D]: each sequence's chunk against its unpaged K/V, dense."""
+    query = batch.query.cpu().double()
+    num_heads = query.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    starts = batch.query_start_loc.tolist()
+    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
+        start, end = starts[seq], starts[seq + 1]
+        if end == start:
+            continue
+        group = num_heads // batch.keys[seq].shape[1]
+        keys = batch.keys[seq].cpu().double().repeat_interleave(group, dim=1)
+        values = batch.values[seq].cpu().double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end], keys) * batch.scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        allowed = key_pos <= query_pos
+        if window is not None:
+            allowed &= key_pos >= query_pos - window + 1
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    return out
+
+
+def assert_matches(got: torch.Tensor, batch: PagedBatch, window: int | None,
+                   soft_cap: float | None, atol: float, rtol: float) -> None:
+    """got against the reference, which must itself differ from what ignoring the cap, or
+    a window shorter than some context, gives (else the case would not test them)."""
+    assert got is not None and got.dtype == batch.query.dtype
+    assert got.shape == batch.query.shape
+    assert not torch.isnan(got.float()).any(), "read a freed (NaN) block"
+    expected = reference(batch, window, soft_cap)
+    torch.testing.assert_close(got.cpu().double(), expected, atol=atol, rtol=rtol)
+    lengths = [n for n, q in zip(batch.seq_lens.tolist(), batch.query_start_loc.diff().tolist())
+               if q > 0]
+    if window is not None and window < max(lengths, default=0):
+        assert (reference(batch, None, soft_cap) - expected).abs().max() > 10 * atol
+    if soft_cap is not None:
+        assert (reference(batch, window, None) - expected).abs().max() > 10 * atol
