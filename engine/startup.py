@@ -18,7 +18,7 @@ from engine.metrics.trace import NullTrace, TraceRecorder
 from engine.models import load_model
 from engine.structured_output.grammar import GrammarCompiler
 from engine.worker.cpu_threads import ThreadGovernor, configure_threads
-from engine.worker.kv_pool import resolve_kv_pool
+from engine.worker.kv_pool import kv_layout, resolve_kv_pool
 from engine.worker.model_runner import ModelRunner
 from kernels.dispatch import detect_cpu
 
@@ -39,6 +39,19 @@ class EngineParts:
     lora: Any = None  # engine.lora.runtime.LoRARuntime when enable_lora
 
 
+def _check_model_supports(config: EngineConfig, loaded) -> None:
+    """Features a model class declares it lacks (supports_* class attributes, True when
+    absent) are refused here, naming the architecture, not deep inside their set-up."""
+    arch = (getattr(loaded.hf_config, "architectures", None) or ["?"])[0]
+    impl = type(loaded.model).__name__
+    tp_size = config.tensor_parallel_size
+    if tp_size > 1 and not getattr(loaded.model, "supports_tensor_parallel", True):
+        raise ValueError(f"tensor_parallel_size={tp_size}: {arch} runs as {impl}, which has "
+                         "no tensor parallelism; use tensor_parallel_size 1")
+    if config.lora.enable_lora and not getattr(loaded.model, "supports_lora", True):
+        raise ValueError(f"enable_lora: {arch} runs as {impl}, which takes no LoRA adapters")
+
+
 def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
     tp_size = config.tensor_parallel_size
     num_cpus = detect_cpu().num_cpus
@@ -54,6 +67,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                         device=config.torch_device, quantization=config.quantization,
                         batch_invariant=config.batch_invariant, model_impl=config.model_impl,
                         disable_sliding_window=config.disable_sliding_window)
+    _check_model_supports(config, loaded)
     tensor_parallel = kv_events = None
     try:  # from here a failure must also stop the workers and close the sockets
         if tp_size > 1:
@@ -62,7 +76,13 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
             tensor_parallel = TensorParallelExecutor(config, loaded.hf_config,
                                                      str(loaded.model_dir), num_threads)
             loaded = tensor_parallel.shard(loaded)
-        config = resolve_kv_pool(config, loaded)
+        # The KV-cache groups (sliding-window layers apart): the scheduler allocates for
+        # them, the runner lays its tensors out by them, the pool is sized by them.
+        layout = kv_layout(loaded)
+        if layout.has_window or layout.num_groups > 1:
+            logger.info("KV cache: %d group(s) of %d layer(s), windows %s", layout.num_groups,
+                        layout.group_size, list(layout.windows))
+        config = resolve_kv_pool(config, loaded, layout)
         sched_cfg, cache_cfg = config.scheduler, config.cache
         send_step = None
         if tensor_parallel is not None:
@@ -70,7 +90,8 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
             tensor_parallel.start(CacheSetup(cache_cfg.num_kv_blocks, cache_cfg.block_size,
                                              sched_cfg.max_num_batched_tokens,
                                              sched_cfg.max_model_len,
-                                             sched_cfg.max_num_seqs))
+                                             sched_cfg.max_num_seqs,
+                                             layer_windows=layout.layer_windows))
             send_step = tensor_parallel.send_step
         lora = None
         if config.lora.enable_lora and tensor_parallel is not None:
@@ -82,13 +103,13 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                                next(loaded.model.parameters()).device)
         runner = ModelRunner(loaded, cache_cfg.num_kv_blocks, cache_cfg.block_size,
                              seed=config.seed, faults=faults, send_step=send_step, lora=lora,
-                             batch_invariant=config.batch_invariant)
+                             batch_invariant=config.batch_invariant, layout=layout)
         kv_events = make_publisher(config.kv_events_config, config.data_parallel_rank)
         if kv_events.enabled and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
                            "indexer cannot recompute these keys from tokens; use sha256_cbor")
         scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events.enabled,
-                              lora_config=config.lora)
+                              lora_config=config.lora, kv_layout=layout)
         warm_start = time.perf_counter()
         runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                        sched_cfg.max_model_len)

@@ -4,7 +4,12 @@ It 'computes' KV by writing, into each slot, a fingerprint of the whole prefix u
 that token; before sampling it checks that every slot a request reads holds that
 request's own prefix. So a wrong prefix-cache hit, a block shared or freed too early,
 or stale KV after preemption shows up as an assertion, not as a silent pass. Sampled
-tokens are a pure function of the sequence so far, like greedy decoding."""
+tokens are a pure function of the sequence so far, like greedy decoding.
+
+With KV-cache groups (`windows`, one per group: None for full attention, else the window
+W), each group's table is written and read on its own, a slot remembering which group
+wrote it (a block id means the same bytes in every group); a windowed group reads only
+the positions its queries see, p - W + 1 .. p, so the blocks behind may be gone."""
 from __future__ import annotations
 
 from engine.core.sched_output import SchedulerOutput
@@ -24,10 +29,13 @@ def next_token(token_ids: list[int], vocab_size: int) -> int:
 
 
 class FakeModelRunner:
-    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000) -> None:
+    def __init__(self, num_blocks: int, block_size: int, vocab_size: int = 1000,
+                 windows: tuple[int | None, ...] = (None,)) -> None:
         self.block_size = block_size
         self.vocab_size = vocab_size
-        self.slots: list[int | None] = [None] * (num_blocks * block_size)
+        self.windows = tuple(windows)
+        # (group, fingerprint) per slot.
+        self.slots: list[tuple[int, int] | None] = [None] * (num_blocks * block_size)
 
     def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         sampled: dict[str, list[int]] = {}
@@ -36,15 +44,19 @@ class FakeModelRunner:
             n = out.num_scheduled_tokens[request.request_id]
             end = request.num_computed_tokens
             start = end - n
-            block_ids = out.block_ids[request.request_id]
-            assert len(block_ids) * bs >= end, "block table too short for scheduled tokens"
+            tables = out.block_ids[request.request_id]
+            assert len(tables) == len(self.windows), "one block table per KV-cache group"
             fingerprints = prefix_fingerprints(request.all_token_ids[:end])
-            for pos in range(start, end):
-                self.slots[block_ids[pos // bs] * bs + pos % bs] = fingerprints[pos]
-            for pos in range(end):
-                got = self.slots[block_ids[pos // bs] * bs + pos % bs]
-                assert got == fingerprints[pos], (
-                    f"{request.request_id}: KV at position {pos} is not this request's prefix")
+            for group, (window, block_ids) in enumerate(zip(self.windows, tables)):
+                assert len(block_ids) * bs >= end, "block table too short for scheduled tokens"
+                for pos in range(start, end):
+                    self.slots[block_ids[pos // bs] * bs + pos % bs] = (group, fingerprints[pos])
+                first = 0 if window is None else max(0, start - window + 1)
+                for pos in range(first, end):
+                    got = self.slots[block_ids[pos // bs] * bs + pos % bs]
+                    assert got == (group, fingerprints[pos]), (
+                        f"{request.request_id}: KV at position {pos} (group {group}) is not "
+                        f"this request's prefix")
             if end >= request.num_tokens:
                 sampled[request.request_id] = [next_token(request.all_token_ids, self.vocab_size)]
         return sampled

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from engine.core.kv_cache.block_pool import NULL_BLOCK
 from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
 from engine.core.scheduler import Scheduler
@@ -52,10 +53,11 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput, ids: StepIds | None =
             assert not ids.new and not ids.resumed, "admitted while preempting"
     assert not out.preempted_req_ids & out.num_scheduled_tokens.keys(), "preempted yet scheduled"
     for request in out.scheduled_requests:
-        # A copy of the block table, not the KV manager's own list.
-        table = out.block_ids[request.request_id]
-        assert table == scheduler.kv_cache_manager.req_to_block_ids[request.request_id]
-        assert table is not scheduler.kv_cache_manager.req_to_block_ids[request.request_id]
+        # Copies of the block tables, not the KV manager's own lists.
+        tables = out.block_ids[request.request_id]
+        own = scheduler.kv_cache_manager.req_to_block_ids[request.request_id]
+        assert tables == own
+        assert all(t is not o for t, o in zip(tables, own))
     assert all(n > 0 for n in out.num_scheduled_tokens.values())
     check_state(scheduler)
 
@@ -67,13 +69,14 @@ def check_state(scheduler: Scheduler) -> None:
     bs = kv.block_size
     for request in scheduler.running:
         assert request.status == RequestStatus.RUNNING
-        blocks = kv.req_to_blocks[request.request_id]
-        ids = [b.block_id for b in blocks]
-        assert ids == kv.req_to_block_ids[request.request_id]
-        assert len(set(ids)) == len(ids), "a block appears twice in one block table"
-        assert len(blocks) == -(-request.num_computed_tokens // bs)
+        for blocks, block_ids in zip(kv.req_to_blocks[request.request_id],
+                                     kv.req_to_block_ids[request.request_id], strict=True):
+            assert [b.block_id for b in blocks] == block_ids
+            held = [b.block_id for b in blocks if b is not NULL_BLOCK]
+            assert len(set(held)) == len(held), "a block appears twice in one block table"
+            assert len(blocks) == -(-request.num_computed_tokens // bs)
+            owners.update(held)
         assert request.num_computed_tokens <= request.num_tokens
-        owners.update(ids)
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0
@@ -82,8 +85,9 @@ def check_state(scheduler: Scheduler) -> None:
     for block in pool.blocks:
         assert block.ref_cnt == owners[block.block_id], f"{block} has {owners[block.block_id]} owners"
         assert (block.ref_cnt == 0) == (block.block_id in pool.free_queue)
-    for block_hash, block in pool.cached_blocks.items():
-        assert block.block_hash == block_hash
+    for group, cached in enumerate(pool.cached_by_group):
+        for block_hash, block in cached.items():
+            assert block.block_hash == block_hash and block.group == group
     assert len(scheduler.requests) == len(scheduler.running) + len(scheduler.waiting)
 
 

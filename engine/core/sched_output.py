@@ -14,8 +14,10 @@ class SchedulerOutput:
     scheduled_requests: list[Request]
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
-    # Each scheduled request's block table, copied: a free later in the step cannot touch it.
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Each scheduled request's block tables, one per KV-cache group (a 1-tuple for a model
+    # of one group), copied: a free later in the step cannot touch them. A windowed
+    # group's entries behind its window hold NULL_BLOCK's id (never read).
+    block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
     # Finished (stopped or aborted) since the previous schedule(): the runner drops their state.
     finished_req_ids: set[str] = field(default_factory=set)
     # vLLM's meaning: preempted in this step (blocks freed, back to WAITING); a request

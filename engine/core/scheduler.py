@@ -9,6 +9,7 @@ from engine.core import admission
 from engine.core.fair_queue import FairQueue
 from engine.core.fair_share import VirtualTokenCounter
 from engine.core.kv_cache import BlockHasher, KVCacheManager
+from engine.core.kv_cache.groups import KVCacheLayout
 from engine.core.partial_prefills import LOOKAHEAD, PartialPrefills
 from engine.core.preemption import ANCHOR_PREEMPTIONS, pick_victim
 from engine.core.request import Request, RequestStatus
@@ -45,7 +46,10 @@ class Scheduler:
       The cost: while an anchor lives, victims and admissions may go against the counters."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 enable_kv_events: bool = False, lora_config: LoRAConfig | None = None) -> None:
+                 enable_kv_events: bool = False, lora_config: LoRAConfig | None = None,
+                 kv_layout: KVCacheLayout | None = None) -> None:
+        """`kv_layout`: the model's KV-cache groups (engine/core/kv_cache/groups.py); None:
+        one full-attention group."""
         if cache_config.num_kv_blocks is None:
             raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -55,7 +59,7 @@ class Scheduler:
         self.kv_cache_manager = KVCacheManager(
             cache_config.num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
             hasher=BlockHasher(cache_config.prefix_caching_hash_algo),
-            enable_events=enable_kv_events)
+            enable_events=enable_kv_events, layout=kv_layout)
         self.watermark_blocks = cache_config.watermark_blocks
         # None: no limit (LoRA off); else the distinct adapters RUNNING may hold.
         self.max_loras = lora_config.max_loras if lora_config and lora_config.enable_lora else None
@@ -192,10 +196,15 @@ class Scheduler:
         scheduled = scheduled_running + admitted
         tables = kv.req_to_block_ids
         block_ids = {}
-        for request in scheduled:
-            # V1 convention: progress counts what is scheduled, before it is computed.
-            request.num_computed_tokens += num_scheduled[request.request_id]
-            block_ids[request.request_id] = tables[request.request_id].copy()
+        # V1 convention: progress counts what is scheduled, before it is computed.
+        if kv.num_groups == 1:  # the common case, kept to one copy per request
+            for request in scheduled:
+                request.num_computed_tokens += num_scheduled[request.request_id]
+                block_ids[request.request_id] = (tables[request.request_id][0].copy(),)
+        else:
+            for request in scheduled:
+                request.num_computed_tokens += num_scheduled[request.request_id]
+                block_ids[request.request_id] = tuple(map(list.copy, tables[request.request_id]))
         out = SchedulerOutput(
             scheduled_requests=scheduled,
             num_scheduled_tokens=num_scheduled,
@@ -228,7 +237,10 @@ class Scheduler:
             r.lora_request.lora_int_id for r in running if r.lora_request is not None}
         skipped: list[Request] = []
         no_evict = cfg.admission == "no_evict"
-        reserved = admission.reserved_blocks(running, kv, cfg.max_model_len) if no_evict else 0
+        # A step's chunk is at most the token budget: what bounds a windowed group's worst.
+        max_chunk = cfg.max_num_batched_tokens
+        reserved = (admission.reserved_blocks(running, kv, cfg.max_model_len, max_chunk)
+                    if no_evict else 0)
         while waiting and token_budget > 0 and len(running) < cfg.max_num_seqs:
             if candidates is None:
                 request = waiting.peek()
@@ -253,7 +265,7 @@ class Scheduler:
                 num_new = threshold
             num_new = min(num_new, token_budget)
             if no_evict and not admission.fits(request, hit_blocks, kv, cfg.max_model_len,
-                                               reserved, self.watermark_blocks):
+                                               max_chunk, reserved, self.watermark_blocks):
                 break
             if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks) is None:
                 break
@@ -271,7 +283,7 @@ class Scheduler:
             request.num_computed_tokens = num_hit_tokens
             running.append(request)
             if no_evict:
-                reserved += admission.still_needed(request, kv, cfg.max_model_len)
+                reserved += admission.still_needed(request, kv, cfg.max_model_len, max_chunk)
             if self.fair is not None:
                 self.fair.charge(request, num_new)
             num_scheduled[request.request_id] = num_new

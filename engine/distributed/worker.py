@@ -31,12 +31,15 @@ class WorkerSpec:
 
 @dataclass(frozen=True, slots=True)
 class CacheSetup:
-    """Rank 0's resolved KV pool (every rank's pool has the same blocks) and warm-up limits."""
+    """Rank 0's resolved KV pool (every rank's pool has the same blocks, laid out in the
+    same KV-cache groups) and warm-up limits."""
     num_kv_blocks: int
     block_size: int
     max_num_batched_tokens: int
     max_model_len: int
     max_num_seqs: int
+    # Per layer, the window its KV-cache group has (None: full); empty: the model's own.
+    layer_windows: tuple[int | None, ...] = ()
 
 
 def run_worker(spec: WorkerSpec) -> None:
@@ -54,6 +57,7 @@ def run_worker(spec: WorkerSpec) -> None:
 
 
 def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
+    from engine.core.kv_cache.groups import build_layout
     from engine.worker.model_runner import ModelRunner
     from engine.models import load_model
     from engine.distributed.sharding import shard_loaded
@@ -67,8 +71,9 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
     if setup is None:  # rank 0 gave up before serving (e.g. its KV pool was refused)
         return
     assert isinstance(setup, CacheSetup)
+    layout = build_layout(setup.layer_windows) if setup.layer_windows else None
     runner = ModelRunner(loaded, setup.num_kv_blocks, setup.block_size,
-                         lora=lora_runtime(loaded, spec.lora, group))
+                         lora=lora_runtime(loaded, spec.lora, group), layout=layout)
     dispatch.warm_up(runner.kv_caches[0][0], loaded.num_heads, setup.max_model_len,
                      setup.max_num_batched_tokens)
     runner.build_matmul_primitives(setup.max_num_batched_tokens, setup.max_num_seqs)

@@ -10,6 +10,9 @@ have; the partitions past a sequence's end exit at once.
 
 Without capture (a CPU, or a test) `run` executes the same padded batch eagerly, so the
 padding itself is tested on every host.
+
+A model of several KV-cache groups (engine/core/kv_cache/groups.py) has a slot mapping
+and a block table buffer per group and gets one metadata per layer, its group's.
 """
 from __future__ import annotations
 
@@ -28,16 +31,24 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+                 max_model_len: int, block_size: int, device: torch.device,
+                 layer_groups: tuple[int, ...] | None = None) -> None:
+        """`layer_groups`: each layer's KV-cache group; None for a model of one group,
+        which gets a single metadata (the fused single-sequence decode reads it)."""
         self.model = model
         self.kv_caches = kv_caches
         self.sizes = capture_sizes(max_num_seqs)
         self.max_model_len = max_model_len
+        self.layer_groups = layer_groups
+        num_groups = 1 if layer_groups is None else max(layer_groups) + 1
         rows, width = self.sizes[-1], -(-max_model_len // block_size)
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=device)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((rows,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.slot_mappings = [torch.full((rows,), -1, dtype=torch.int64, device=device)
+                              for _ in range(num_groups)]
+        self.group_block_tables = [torch.zeros(rows, width, dtype=torch.int32, device=device)
+                                   for _ in range(num_groups)]
+        self.slot_mapping, self.block_tables = self.slot_mappings[0], self.group_block_tables[0]
         self.query_start_loc = torch.arange(rows + 1, dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -50,10 +61,14 @@ class DecodeGraphs:
         index = bisect.bisect_left(self.sizes, num_seqs)
         return self.sizes[index] if index < len(self.sizes) else None
 
-    def _metadata(self, size: int) -> AttentionMetadata:
-        return AttentionMetadata(self.slot_mapping[:size], self.block_tables[:size],
-                                 self.query_start_loc[:size + 1], self.seq_lens[:size],
-                                 max_query_len=1, max_seq_len=self.max_model_len)
+    def _metadata(self, size: int) -> AttentionMetadata | list[AttentionMetadata]:
+        metas = [AttentionMetadata(slots[:size], tables[:size], self.query_start_loc[:size + 1],
+                                   self.seq_lens[:size], max_query_len=1,
+                                   max_seq_len=self.max_model_len)
+                 for slots, tables in zip(self.slot_mappings, self.group_block_tables)]
+        if self.layer_groups is None:
+            return metas[0]
+        return [metas[g] for g in self.layer_groups]
 
     def _forward(self, size: int) -> torch.Tensor:
         return self.model(self.input_ids[:size], self.positions[:size], self.kv_caches,
@@ -74,23 +89,26 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor | None:
+            meta: AttentionMetadata | tuple[AttentionMetadata, ...]) -> torch.Tensor | None:
         """Hidden states of a decode-only batch, or None when it does not fit the buffers
-        (more sequences than captured; the caller runs it eagerly). The result is a view
-        of the graph's output, valid until the next run."""
+        (more sequences than captured; the caller runs it eagerly). `meta`: the step's
+        metadata, or one per KV-cache group. The result is a view of the graph's output,
+        valid until the next run."""
+        metas = (meta,) if isinstance(meta, AttentionMetadata) else meta
         num_seqs = input_ids.shape[0]
         size = self.padded_size(num_seqs)
-        width = meta.block_tables.shape[1]
+        width = metas[0].block_tables.shape[1]
         if size is None or width > self.block_tables.shape[1]:
             return None
         self.input_ids[:num_seqs].copy_(input_ids)
         self.positions[:num_seqs].copy_(positions)
-        self.slot_mapping[:num_seqs].copy_(meta.slot_mapping)
-        self.slot_mapping[num_seqs:size].fill_(-1)
-        self.seq_lens[:num_seqs].copy_(meta.seq_lens)
+        for group, slots, tables in zip(metas, self.slot_mappings, self.group_block_tables):
+            slots[:num_seqs].copy_(group.slot_mapping)
+            slots[num_seqs:size].fill_(-1)
+            # Entries past a row's width are stale but never read: positions stay < seq_len.
+            tables[:num_seqs, :width].copy_(group.block_tables)
+        self.seq_lens[:num_seqs].copy_(metas[0].seq_lens)
         self.seq_lens[num_seqs:size].zero_()
-        # Entries past a row's width are stale but never read: positions stay < seq_len.
-        self.block_tables[:num_seqs, :width].copy_(meta.block_tables)
         entry = self._graphs.get(size)
         if entry is None:
             hidden = self._forward(size)

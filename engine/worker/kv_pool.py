@@ -1,12 +1,18 @@
 """How many KV blocks the engine gets, and how long a request may be: the one place that
 sizes the pool, from an explicit block count, a byte budget, or (on a GPU) what
-gpu_memory_utilization leaves after the weights and a profiled step."""
+gpu_memory_utilization leaves after the weights and a profiled step.
+
+A block holds `group_size` layers' K and V (engine/core/kv_cache/groups.py): every layer
+for a model of one KV-cache group, fewer for a hybrid one, whose groups each take their
+own blocks. A request of max_model_len must fit alone: every block of its full-attention
+groups, a window plus a step's tokens of its windowed ones."""
 from __future__ import annotations
 
 import dataclasses
 import logging
 
 from engine.config import EngineConfig
+from engine.core.kv_cache.groups import KVCacheLayout, build_layout
 
 logger = logging.getLogger(__name__)
 
@@ -16,19 +22,35 @@ CPU_KV_CACHE_BYTES = 2 * 1024**3
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
-def resolve_kv_pool(config: EngineConfig, loaded) -> EngineConfig:
+def kv_layout(loaded) -> KVCacheLayout:
+    """The loaded model's KV-cache groups, from its layers' windows (none known: every
+    layer full attention)."""
+    return build_layout(loaded.sliding_windows or [None] * loaded.num_layers)
+
+
+def kv_block_bytes(loaded, layout: KVCacheLayout, block_size: int) -> int:
+    """One block: K and V of block_size tokens in group_size layers."""
+    per_layer_token = loaded.kv_cache_bytes_per_token() // loaded.num_layers
+    return per_layer_token * layout.group_size * block_size
+
+
+def resolve_kv_pool(config: EngineConfig, loaded,
+                    layout: KVCacheLayout | None = None) -> EngineConfig:
     """Fill in what depends on the model (max_model_len, num_kv_blocks) and refuse a
-    configuration that cannot serve one request of max_model_len."""
+    configuration that cannot serve one request of max_model_len. `layout`: the model's
+    KV-cache groups (default: kv_layout(loaded))."""
     sched, cache = config.scheduler, config.cache
-    max_model_len = sched.max_model_len or loaded.max_position_embeddings
-    if max_model_len > loaded.max_position_embeddings:
-        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's "
-                         f"max_position_embeddings ({loaded.max_position_embeddings})")
+    layout = layout or kv_layout(loaded)
+    context = loaded.max_position_embeddings
+    max_model_len = sched.max_model_len or context
+    if max_model_len > context:
+        raise ValueError(f"max_model_len ({max_model_len}) exceeds the model's context "
+                         f"({_context_source(config, loaded)})")
     num_blocks = cache.num_kv_blocks
     if num_blocks is None:
-        per_block = loaded.kv_cache_bytes_per_token() * cache.block_size
-        num_blocks = pool_bytes(config, loaded) // per_block
-    needed = -(-max_model_len // cache.block_size)
+        num_blocks = pool_bytes(config, loaded) // kv_block_bytes(loaded, layout,
+                                                                  cache.block_size)
+    needed = layout.peak_blocks(max_model_len, cache.block_size, sched.max_num_batched_tokens)
     usable = num_blocks - int(cache.watermark * num_blocks)
     if usable < needed:
         raise ValueError(
@@ -40,6 +62,16 @@ def resolve_kv_pool(config: EngineConfig, loaded) -> EngineConfig:
         config,
         scheduler=dataclasses.replace(sched, max_model_len=max_model_len),
         cache=dataclasses.replace(cache, num_kv_blocks=num_blocks))
+
+
+def _context_source(config: EngineConfig, loaded) -> str:
+    """Where the model's context limit comes from, for the error that names it."""
+    context = loaded.max_position_embeddings
+    positions = getattr(loaded.hf_config, "max_position_embeddings", context)
+    if config.disable_sliding_window and context < positions:
+        return (f"{context} tokens: its sliding window, as disable_sliding_window caps it; "
+                f"max_position_embeddings {positions}")
+    return f"max_position_embeddings {context}"
 
 
 def pool_bytes(config: EngineConfig, loaded) -> int:

@@ -1,4 +1,11 @@
-"""SchedulerOutput -> batch tensors -> model forward -> sampled tokens."""
+"""SchedulerOutput -> batch tensors -> model forward -> sampled tokens.
+
+KV-cache groups (engine/core/kv_cache/groups.py): the cache is `group_size` slot tensors
+and layer l uses its slot's tensor through its group's block table. A model of one group
+(Llama, Mistral) gets one AttentionMetadata for every layer, as before groups existed
+(the fused single-sequence decode and the CUDA graphs read it); a hybrid one gets one per
+layer, each its group's (block tables and slot mapping per group; query_start_loc and
+seq_lens shared)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,6 +13,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from engine.core.kv_cache.groups import KVCacheLayout
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
 from engine.faults import FaultPlan, InjectedFailure
@@ -16,6 +24,7 @@ from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.worker import host_memory
 from engine.worker.cuda_graphs import DecodeGraphs
+from engine.worker.kv_pool import kv_layout
 from kernels import dispatch
 
 if TYPE_CHECKING:
@@ -41,36 +50,59 @@ class StepInputs:
     rank 0 broadcasts to tensor-parallel workers (engine/distributed/)."""
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: AttentionMetadata
+    # One AttentionMetadata for a model of one KV-cache group, else one per group.
+    meta: AttentionMetadata | tuple[AttentionMetadata, ...]
     # Rows whose logits are computed; None when no request samples this step.
     sample_rows: torch.Tensor | None
     # enable_lora: the step's rows by adapter (every rank applies it to its shards).
     lora: "LoRAStepPlan | None" = None
 
     def to(self, device: torch.device) -> "StepInputs":
-        m = self.meta
-        meta = AttentionMetadata(m.slot_mapping.to(device), m.block_tables.to(device),
-                                 m.query_start_loc.to(device), m.seq_lens.to(device),
-                                 m.max_query_len, m.max_seq_len)
+        if isinstance(self.meta, AttentionMetadata):
+            meta = _meta_to(self.meta, device)
+        else:
+            meta = tuple(_meta_to(m, device) for m in self.meta)
         rows = None if self.sample_rows is None else self.sample_rows.to(device)
         return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows,
                           self.lora)
+
+
+def _padded_table(tables: list[list[int]]) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+
+
+def _meta_to(m: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    return AttentionMetadata(m.slot_mapping.to(device), m.block_tables.to(device),
+                             m.query_start_loc.to(device), m.seq_lens.to(device),
+                             m.max_query_len, m.max_seq_len)
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, num_kv_blocks: int, block_size: int,
                  seed: int = 0, faults: FaultPlan = FaultPlan(),
                  send_step: Callable[[StepInputs], None] | None = None,
-                 lora: "LoRARuntime | None" = None, batch_invariant: bool = False) -> None:
+                 lora: "LoRARuntime | None" = None, batch_invariant: bool = False,
+                 layout: KVCacheLayout | None = None) -> None:
+        """`layout`: the KV-cache groups the scheduler allocates for; None: the loaded
+        model's (engine.worker.kv_pool.kv_layout)."""
         self.loaded = loaded
         self.model = loaded.model
         self.block_size = block_size
         self.vocab_size = loaded.vocab_size
         self.device = next(self.model.parameters()).device
+        self.layout = layout = layout or kv_layout(loaded)
+        if layout.num_layers != loaded.num_layers:
+            raise ValueError(f"KV-cache layout of {layout.num_layers} layers for a model of "
+                             f"{loaded.num_layers}")
+        self.num_groups = layout.num_groups
         shape = (num_kv_blocks, block_size, loaded.num_kv_heads, loaded.head_dim)
-        self.kv_caches = [(host_memory.zeros(shape, loaded.dtype, self.device),
-                           host_memory.zeros(shape, loaded.dtype, self.device))
-                          for _ in range(loaded.num_layers)]
+        slots = [(host_memory.zeros(shape, loaded.dtype, self.device),
+                  host_memory.zeros(shape, loaded.dtype, self.device))
+                 for _ in range(layout.group_size)]
+        # Per layer, as the model takes it; layers in the same slot of different groups
+        # share tensors (with one group, slot l is layer l).
+        self.kv_caches = [slots[slot] for slot in layout.layer_slot]
         # batch_invariant: each request's row sampled alone (engine/sample/sampler.py).
         self.sampler = Sampler(seed, batch_invariant=batch_invariant)
         self.fail_at_step = faults.model_step
@@ -90,7 +122,8 @@ class ModelRunner:
         """Decode-only steps run through DecodeGraphs: captured CUDA graphs when `capture`
         (a GPU), the same padded batches eagerly otherwise (what the tests check on CPU)."""
         graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs, max_model_len,
-                              self.block_size, self.device)
+                              self.block_size, self.device,
+                              None if self.num_groups == 1 else self.layout.layer_group)
         if capture:
             with torch.inference_mode():
                 graphs.capture()
@@ -148,10 +181,14 @@ class ModelRunner:
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
         hidden = None
-        if self.decode_graphs is not None and inputs.meta.max_query_len == 1:
-            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, inputs.meta)
+        meta = inputs.meta
+        one_group = isinstance(meta, AttentionMetadata)
+        first = meta if one_group else meta[0]
+        if self.decode_graphs is not None and first.max_query_len == 1:
+            hidden = self.decode_graphs.run(inputs.input_ids, inputs.positions, meta)
         if hidden is None:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+            layer_meta = meta if one_group else [meta[g] for g in self.layout.layer_group]
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_meta)
         if inputs.sample_rows is None:
             return None
         return self.model.compute_logits(hidden[inputs.sample_rows], upcast=False)
@@ -164,7 +201,10 @@ class ModelRunner:
         token_ids: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
+        one_group = self.num_groups == 1
+        # Per group, each request's block table (one group: the one list, as before).
         tables: list[list[int]] = []
+        group_tables = [tables] if one_group else [[] for _ in range(self.num_groups)]
         sample_reqs: list[Request] = []
         sample_flags: list[bool] = []
         for request in requests:
@@ -176,7 +216,11 @@ class ModelRunner:
                 token_ids.extend(request.all_token_ids[end - n:end])
             query_lens.append(n)
             seq_lens.append(end)
-            tables.append(block_ids[request.request_id])
+            if one_group:
+                tables.append(block_ids[request.request_id][0])
+            else:
+                for group, table in zip(group_tables, block_ids[request.request_id]):
+                    group.append(table)
             done = end >= request.num_tokens
             sample_flags.append(done)
             if done:
@@ -184,24 +228,27 @@ class ModelRunner:
 
         device = self.device
         num_seqs = len(requests)
-        max_blocks = max(len(t) for t in tables)
         # Padding entries point at block 0; seq_lens keeps them from being read.
-        block_table = torch.tensor([t + [0] * (max_blocks - len(t)) for t in tables],
-                                   dtype=torch.int32)
+        block_tables = [_padded_table(t) for t in group_tables]
         if len(token_ids) == num_seqs == len(sample_reqs):
             # Decodes only (one token a sequence, every one sampled; a 1-token prefill
             # chunk that is not a prompt's last is not sampled): the tensor recipe
             # below costs ~20 small ops, 0.3 ms a step, ~3% of a single stream's token.
             positions_list = [end - 1 for end in seq_lens]
-            slots = [table[pos // bs] * bs + pos % bs for table, pos in zip(tables, positions_list)]
-            meta = AttentionMetadata(
-                slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
-                block_tables=self._upload(block_table),
-                query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-                seq_lens=self._upload(torch.tensor(seq_lens, dtype=torch.int32)),
-                max_query_len=1, max_seq_len=max(seq_lens))
+            query_start_loc = torch.arange(num_seqs + 1, dtype=torch.int32, device=device)
+            seq_lens_t = self._upload(torch.tensor(seq_lens, dtype=torch.int32))
+            metas = []
+            for tabs, block_table in zip(group_tables, block_tables):
+                slots = [table[pos // bs] * bs + pos % bs
+                         for table, pos in zip(tabs, positions_list)]
+                metas.append(AttentionMetadata(
+                    slot_mapping=self._upload(torch.tensor(slots, dtype=torch.int64)),
+                    block_tables=self._upload(block_table),
+                    query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+                    max_query_len=1, max_seq_len=max(seq_lens)))
             return (self._upload(torch.tensor(token_ids, dtype=torch.int64)),
-                    self._upload(torch.tensor(positions_list, dtype=torch.int64)), meta,
+                    self._upload(torch.tensor(positions_list, dtype=torch.int64)),
+                    metas[0] if one_group else tuple(metas),
                     torch.arange(num_seqs, device=device), sample_reqs)
         q_lens = torch.tensor(query_lens, dtype=torch.int64)
         s_lens = torch.tensor(seq_lens, dtype=torch.int64)
@@ -211,19 +258,20 @@ class ModelRunner:
         seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
         # Position of each token: its sequence's first new position plus its offset.
         positions = (s_lens - q_lens)[seq_index] + (torch.arange(num_tokens) - qsl[:-1][seq_index])
-        slot_mapping = (block_table[seq_index, positions // bs].to(torch.int64) * bs + positions % bs)
+        block_of, offset = positions // bs, positions % bs
         sample_rows = (qsl[1:] - 1)[torch.tensor(sample_flags, dtype=torch.bool)]
-        meta = AttentionMetadata(
-            slot_mapping=self._upload(slot_mapping),
+        query_start_loc = self._upload(qsl.to(torch.int32))
+        seq_lens_t = self._upload(s_lens.to(torch.int32))
+        metas = [AttentionMetadata(
+            slot_mapping=self._upload(block_table[seq_index, block_of].to(torch.int64) * bs
+                                      + offset),
             block_tables=self._upload(block_table),
-            query_start_loc=self._upload(qsl.to(torch.int32)),
-            seq_lens=self._upload(s_lens.to(torch.int32)),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
+            query_start_loc=query_start_loc, seq_lens=seq_lens_t,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+            for block_table in block_tables]
         input_ids = self._upload(torch.tensor(token_ids, dtype=torch.int64))
-        return (input_ids, self._upload(positions), meta, self._upload(sample_rows),
-                sample_reqs)
+        return (input_ids, self._upload(positions), metas[0] if one_group else tuple(metas),
+                self._upload(sample_rows), sample_reqs)
 
     def _upload(self, host: torch.Tensor) -> torch.Tensor:
         if not self._pinned:
@@ -265,7 +313,9 @@ class ModelRunner:
                 request.num_computed_tokens = request.num_tokens  # counts this step's tokens
             self.execute(SchedulerOutput(
                 batch, {r.request_id: num_tokens for r in batch}, num_tokens * len(batch),
-                block_ids={r.request_id: list(range(-(-r.num_tokens // bs))) for r in batch}))
+                block_ids={r.request_id: tuple(list(range(-(-r.num_tokens // bs)))
+                                               for _ in range(self.num_groups))
+                           for r in batch}))
             for request in batch:
                 self.sampler.free(request.request_id)
         self.num_steps, self.fail_at_step = 0, fail_at

@@ -5,7 +5,16 @@ forgotten (AllBlocksCleared). The KV manager records them as they happen; the en
 hands each step's list to the publisher (engine/core/kv_cache/publisher.py), which owns the wire
 format. Events describe the set of hashes a lookup can hit: a block holding the same
 tokens as a cached one is not announced, and a hash is removed only when no block
-serves it any more."""
+serves it any more.
+
+Models with several KV-cache groups (engine/core/kv_cache/groups.py) cache each group's
+blocks on their own, so every BlockStored / BlockRemoved names its group (vLLM's
+group_idx: the group's index, 0 for a model of one group). A windowed group's
+BlockStored also says so (kv_cache_spec_kind "sliding_window" and the window, the fields
+newer vLLM publishes), since it drops blocks behind its window while the request runs:
+an indexer that knows the window counts a prefix as cached when the window's blocks
+before its end are (the engine's own hit rule); one that does not sees those removals
+and merely under-counts."""
 from __future__ import annotations
 
 import os
@@ -15,7 +24,7 @@ from engine.core.kv_cache.hashing import BlockHash
 
 # vLLM names the engine's own KV tier "GPU" whatever the device; its CPU build does too.
 MEDIUM = "GPU"
-# vLLM's KV-cache group of every event: this engine has one group (full attention).
+# The group of a model with one KV-cache group.
 GROUP_IDX = 0
 _MASK64 = (1 << 64) - 1
 
@@ -44,12 +53,16 @@ class BlockStored:
     # vLLM's: the request's LoRA adapter (id, deprecated there, and name); None: the base.
     lora_id: int | None = None
     lora_name: str | None = None
+    group_idx: int = GROUP_IDX
+    # The group's window (None: full attention), published only when set.
+    sliding_window: int | None = None
 
 
 @dataclass(slots=True)
 class BlockRemoved:
     block_hashes: list[BlockHash] = field(default_factory=list)
     medium: str = MEDIUM
+    group_idx: int = GROUP_IDX
 
 
 @dataclass(slots=True)

@@ -23,7 +23,7 @@ from collections import deque
 from typing import Any
 
 from engine.config.kv_events import KVEventsConfig, binds
-from engine.core.kv_cache.events import (GROUP_IDX, AllBlocksCleared, BlockRemoved, BlockStored,
+from engine.core.kv_cache.events import (AllBlocksCleared, BlockRemoved, BlockStored,
                                          KVCacheEvent, external_hash)
 
 logger = logging.getLogger(__name__)
@@ -34,7 +34,8 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
     """vLLM 0.32's fields in its order: the required ones always, then extra_keys and
     group_idx as its block pool fills them (session_id, locality, ... stay at None and
-    are omitted)."""
+    are omitted); a windowed group's BlockStored adds newer vLLM's kv_cache_spec_kind
+    and kv_cache_spec_sliding_window (engine/core/kv_cache/events.py says why)."""
     if isinstance(event, BlockStored):
         wire = {"type": "BlockStored",
                 "block_hashes": [external_hash(h) for h in event.block_hashes],
@@ -44,11 +45,14 @@ def event_to_wire(event: KVCacheEvent) -> dict[str, Any]:
                 "lora_id": event.lora_id, "medium": event.medium, "lora_name": event.lora_name}
         if event.extra_keys is not None:
             wire["extra_keys"] = [None if keys is None else list(keys) for keys in event.extra_keys]
-        wire["group_idx"] = GROUP_IDX
+        wire["group_idx"] = event.group_idx
+        if event.sliding_window is not None:
+            wire["kv_cache_spec_kind"] = "sliding_window"
+            wire["kv_cache_spec_sliding_window"] = event.sliding_window
         return wire
     if isinstance(event, BlockRemoved):
         return {"type": "BlockRemoved", "block_hashes": [external_hash(h) for h in event.block_hashes],
-                "medium": event.medium, "group_idx": GROUP_IDX}
+                "medium": event.medium, "group_idx": event.group_idx}
     if isinstance(event, AllBlocksCleared):
         return {"type": "AllBlocksCleared"}
     raise TypeError(f"not a KV-cache event: {event!r}")

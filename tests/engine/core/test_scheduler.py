@@ -96,7 +96,7 @@ def test_prefix_cache_hit_and_last_token_always_computed():
     out, _, ids = step(s)
     assert out.num_scheduled_tokens["b"] == 1  # 48 tokens came from the cache
     kv = s.kv_cache_manager
-    assert kv.req_to_block_ids["a"][:3] == kv.req_to_block_ids["b"][:3]
+    assert kv.req_to_block_ids["a"][0][:3] == kv.req_to_block_ids["b"][0][:3]
     assert kv.prefix_cache_stats.queries == 50 + 49
     assert kv.prefix_cache_stats.hits == 48
     # A prompt that is exactly cached still computes its last token.
@@ -124,7 +124,7 @@ def test_watermark_holds_back_admissions_but_not_running_growth():
     out, _, ids = step(s)
     assert out.num_scheduled_tokens == {"ok": 32}
     step(s)  # the decode needs a 9th block: running requests may use the reserve
-    assert len(s.kv_cache_manager.req_to_blocks["ok"]) == 9
+    assert len(s.kv_cache_manager.req_to_blocks["ok"][0]) == 9
 
 
 def test_fcfs_preempts_tail_and_resumes_first():

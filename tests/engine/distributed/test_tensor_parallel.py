@@ -171,6 +171,37 @@ def test_two_ranks_match_one_rank_with_gqa_preemption_and_prefix_hits(tiny_gqa):
     assert {p.exitcode for p in workers} == {0}  # on rank 0's "stop", not by a signal
 
 
+@pytest.fixture(scope="module")
+def tiny_windowed(tmp_path_factory):
+    """Mistral with a sliding window of 8: every rank frees the blocks behind it."""
+    return str(make_tiny_model_dir(tmp_path_factory.mktemp("sw"), arch="mistral", seed=3,
+                                   sliding_window=8))
+
+
+# The pool: a window holds a few blocks per request (at most 11 here), a full group all
+# of max_model_len's 40; pools this small still preempt.
+@pytest.mark.parametrize("windows,num_blocks", [((8, 8), 16), ((8, None), 52)],
+                         ids=["one_group", "two_groups"])
+def test_two_ranks_match_one_rank_with_sliding_windows(tiny_windowed, windows, num_blocks,
+                                                       monkeypatch):
+    """The model's layout (one windowed group); then layer 0 windowed, layer 1 in a full group
+    (which keeps more than its window reads): rank 0's layout reaches the workers, and
+    each step's metadata goes to them one per group."""
+    reference = _generate(LLM(tiny_windowed, dtype="float32", num_kv_blocks=512,
+                              max_model_len=160, enable_prefix_caching=False),
+                          _stressed_prompts())
+    from engine import startup
+    from engine.core.kv_cache import build_layout
+    monkeypatch.setattr(startup, "kv_layout", lambda loaded: build_layout(list(windows)))
+    tp = LLM(tiny_windowed, dtype="float32", tensor_parallel_size=2,
+             **{**_stressed_args(), "num_kv_blocks": num_blocks})
+    try:
+        assert tp.llm_engine.scheduler.kv_cache_manager.layout.layer_windows == windows
+        _check_stressed(tp, reference)
+    finally:
+        tp.llm_engine.close()
+
+
 def test_replicated_kv_head_tied_padded_vocab_then_a_killed_worker(tiny_one_kv_head):
     reference = _generate(LLM(tiny_one_kv_head, dtype="float32", num_kv_blocks=256,
                               max_model_len=160), PROMPTS)
