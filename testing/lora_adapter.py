@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from testing.hf_reference import hf_causal_lm
+
 LLAMA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -15,9 +17,8 @@ def make_lora_adapter_dir(base_dir: str | Path, out: str | Path, seed: int = 0, 
     zero, so the adapter changes outputs)."""
     import peft
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = hf_causal_lm(base_dir, torch.float32)
     config = peft.LoraConfig(r=r, lora_alpha=lora_alpha, target_modules=list(target_modules),
                              init_lora_weights=False, **lora_config)
     state = torch.random.get_rng_state()
@@ -36,9 +37,8 @@ def hf_peft_greedy(base_dir: str | Path, adapter_dir: str | Path | None,
     """HF's greedy tokens (fp32, EOS never ends nor is masked) with the adapter applied
     by peft, or the bare base model when `adapter_dir` is None."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    model = hf_causal_lm(base_dir, torch.float32)
     if adapter_dir is not None:
         import peft
         model = peft.PeftModel.from_pretrained(model, str(adapter_dir))

@@ -18,11 +18,38 @@ _COMMON = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidd
                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                rms_norm_eps=1e-5, rope_theta=10000.0, bos_token_id=1, eos_token_id=2,
                pad_token_id=2, initializer_range=0.05)
+# Per-pair LongRoPE factors for a rotated dim of 12 (head_dim 16, partial_rotary_factor
+# 0.75): distinct per pair and between the sets, so a wrong set or order shows.
+_SHORT_FACTORS = [1.0, 1.05, 1.1, 1.3, 1.6, 2.0]
+_LONG_FACTORS = [1.0, 1.5, 2.5, 4.0, 6.0, 9.0]
 _ARCH_DEFAULTS = {
     # Llama keeps a separate lm_head and Qwen2 ties it, so both paths get exercised.
     "llama": dict(tie_word_embeddings=False),
     "qwen2": dict(tie_word_embeddings=True),
+    # MistralConfig's default window (4096) is past these models' positions: no effect.
     "mistral": dict(tie_word_embeddings=False),
+    # Every layer windowed, the window shorter than the tests' prompts.
+    "mistral-window": dict(tie_word_embeddings=False, sliding_window=12),
+    # head_dim set apart from hidden_size / heads (q is 128 wide over a 64 hidden).
+    "qwen3": dict(tie_word_embeddings=True, head_dim=32),
+    # Caps and the query scalar small enough to matter at these weights' scale (real
+    # Gemma 2: 50 and 30, query_pre_attn_scalar = head_dim); layers alternate windowed
+    # (even) and full.
+    "gemma2": dict(head_dim=16, query_pre_attn_scalar=12, sliding_window=10,
+                   attn_logit_softcapping=0.5, final_logit_softcapping=3.0),
+    # Windowed, full, windowed (sliding_window_pattern works at every transformers
+    # version; layer_types only from 4.53); the local layers' RoPE base apart from the
+    # global one, and the global one linearly scaled, so each table has to be right.
+    "gemma3": dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=10,
+                   sliding_window_pattern=2, num_hidden_layers=3, rope_theta=10000.0,
+                   rope_local_base_freq=100.0,
+                   rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    "phi3": dict(tie_word_embeddings=False),
+    # LongRoPE switching at position 64 of 256, over a partial rotary (12 of 16 dims).
+    "phi3-longrope": dict(tie_word_embeddings=False, max_position_embeddings=256,
+                          original_max_position_embeddings=64, partial_rotary_factor=0.75,
+                          rope_scaling={"type": "longrope", "short_factor": _SHORT_FACTORS,
+                                        "long_factor": _LONG_FACTORS}),
 }
 
 
@@ -30,7 +57,25 @@ def _hf_classes(arch: str):
     import transformers as tf
     return {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
             "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-            "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}[arch]
+            "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+            "mistral-window": (tf.MistralConfig, tf.MistralForCausalLM),
+            "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+            "gemma2": (tf.Gemma2Config, tf.Gemma2ForCausalLM),
+            # Text-only Gemma 3 (model_type gemma3_text), as google/gemma-3-1b ships.
+            "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
+            "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
+            "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM)}[arch]
+
+
+def tiny_config(arch: str = "llama", **overrides: Any):
+    """The HF config make_tiny_model_dir builds for `arch` (architectures set, as a
+    saved folder's config has it)."""
+    if arch not in _ARCH_DEFAULTS:
+        raise ValueError(f"arch: expected one of {sorted(_ARCH_DEFAULTS)}, got {arch!r}")
+    config_cls, model_cls = _hf_classes(arch)
+    config = config_cls(**{**_COMMON, **_ARCH_DEFAULTS[arch], **overrides})
+    config.architectures = [model_cls.__name__]
+    return config
 
 
 def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0,
@@ -40,10 +85,8 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0,
     `overrides` go to the HF config (e.g. num_hidden_layers=3, rope_scaling={...})."""
     import torch
 
-    if arch not in _ARCH_DEFAULTS:
-        raise ValueError(f"arch: expected one of {sorted(_ARCH_DEFAULTS)}, got {arch!r}")
-    config_cls, model_cls = _hf_classes(arch)
-    config = config_cls(**{**_COMMON, **_ARCH_DEFAULTS[arch], **overrides})
+    config = tiny_config(arch, **overrides)
+    model_cls = _hf_classes(arch)[1]
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
@@ -51,8 +94,9 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0,
         std = config.initializer_range
         with torch.no_grad():
             for name, param in model.named_parameters():
-                # HF initialises biases to 0 and norms to 1, which would hide a loader that
-                # drops them; perturb both so tests can tell.
+                # HF initialises biases to 0 and norms to 1 (Gemma's to 0, applied as
+                # 1 + w), which would hide a loader that drops them; perturb both so
+                # tests can tell.
                 if name.endswith("bias"):
                     param.normal_(0.0, std)
                 elif "norm" in name:

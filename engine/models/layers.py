@@ -109,3 +109,52 @@ class SwiGLUMLP(nn.Module):
         if type(gate_up) is Linear:  # not wrapped (LoRA): the matmul may end in silu_mul
             return self.down_proj.forward(dispatch.gate_up_silu(x, gate_up.kernel_weight()))
         return self.down_proj.forward(dispatch.silu_mul(gate_up.forward(x)))
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the checkpoint stores w and the scale is (1 + w); HF normalises,
+    scales by (1 + w) in float32 and rounds to the model dtype once (Llama's rounds
+    before its weight multiply), so this does the same. Same interface as RMSNorm."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = empty_param(hidden_size, dtype=dtype)
+        self.eps = eps
+        self.batch_invariant = False  # set by prepack
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (norm(x + residual), x + residual); the residual is updated in place."""
+        if residual is not None:
+            x = residual.add_(x)
+        scale = 1.0 + self.weight.float()
+        if self.batch_invariant and x.dim() == 2 and x.shape[0] > 1:
+            # One row at a time with a lone row's shapes, so torch picks the same
+            # reduction whatever the batch (kernels/torch_invariant.py's rule).
+            return torch.cat([self._norm(x[r:r + 1], scale) for r in range(x.shape[0])]), x
+        return self._norm(x, scale), x
+
+    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        # HF's op sequence, so float32 results are its own to the bit.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * scale).to(x.dtype)
+
+
+class GeGLUMLP(nn.Module):
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's gelu_pytorch_tanh) with gate and up
+    fused into one matmul; the names SwiGLUMLP's, which LoRA and sharding wrap."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)
+        # Read after sharding too: a rank's gate_up holds its own slice of both halves.
+        half = gate_up.shape[-1] // 2
+        act = F.gelu(gate_up[..., :half], approximate="tanh")
+        return self.down_proj.forward(act.mul_(gate_up[..., half:]))

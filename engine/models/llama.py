@@ -11,9 +11,11 @@ from typing import Iterable
 import torch
 from torch import nn
 
+from engine.config.sliding_window import layer_windows
 from engine.models import single_decode
-from engine.models.attention import AttentionMetadata, PagedAttention
-from engine.models.layers import Embedding, Linear, RMSNorm, SwiGLUMLP, empty_param
+from engine.models.attention import AttentionMetadata, PagedAttention, per_layer
+from engine.models.layers import (Embedding, GemmaRMSNorm, Linear, RMSNorm, SwiGLUMLP,
+                                  empty_param)
 from engine.models.rope import RotaryEmbedding
 from kernels import dispatch
 from kernels.dispatch import GgufWeight
@@ -42,8 +44,17 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def model_windows(config) -> list[int | None]:
+    """Each layer's attention window (engine/config/sliding_window.py), None where it is
+    full attention or where the window reaches past every position the model takes (Phi-3
+    128k's 262144): such a window never drops a key, and None keeps the faster paths."""
+    limit = config.max_position_embeddings
+    return [w if w is not None and w < limit else None for w in layer_windows(config)]
+
+
 class LlamaAttention(nn.Module):
-    def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
@@ -55,6 +66,15 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, spec.o_bias, dtype)
         self.rotary = rotary
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim)
+        # The kernel's options live here, not on self.attn, which tensor-parallel
+        # sharding replaces (engine/distributed/sharding.py); families set their own.
+        self.scale = self.head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.soft_cap: float | None = None
+        # Per-head norms of q and k before RoPE (Qwen3, Gemma 3); one weight [head_dim]
+        # for every head, so they apply to any subset of heads (a tensor-parallel rank's).
+        self.q_norm: nn.Module | None = None
+        self.k_norm: nn.Module | None = None
 
     def forward(self, cos_sin: CosSin, x: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -63,20 +83,34 @@ class LlamaAttention(nn.Module):
         # costs ~2 us, ~10 times a layer: 0.5 ms of a 12 ms single-stream token.
         qkv = self.qkv_proj.forward(x)
         q_end, k_end = self.split
+        qk = qkv if self.q_norm is None else self._normed_qk(qkv)
         # q and k sit side by side in each row, so one pass rotates both at once.
-        qk = self.rotary.rotate_qkv(cos_sin, qkv, self.num_heads + self.num_kv_heads, self.head_dim)
+        qk = self.rotary.rotate_qkv(cos_sin, qk, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
-        out = self.attn.forward(q, k, v, kv_cache, meta)
+        out = self.attn.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
+                                self.soft_cap)
         return self.o_proj.forward(out.reshape(T, -1))
+
+    def _normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """[T, (H + KVH) * D]: q_norm over each q head, k_norm over each k head, as the
+        rows of one buffer for the fused rotation."""
+        T, d = qkv.shape[0], self.head_dim
+        q_end, k_end = self.split
+        q, _ = self.q_norm.forward(qkv[:, :q_end].reshape(-1, d))
+        k, _ = self.k_norm.forward(qkv[:, q_end:k_end].reshape(-1, d))
+        return torch.cat((q.view(T, -1), k.view(T, -1)), dim=1)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding, dtype: torch.dtype) -> None:
+    attention_class = LlamaAttention
+
+    def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding, dtype: torch.dtype,
+                 sliding_window: int | None = None) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.self_attn = LlamaAttention(config, spec, rotary, dtype)
+        self.self_attn = self.attention_class(config, spec, rotary, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, dtype)
 
@@ -89,6 +123,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = LlamaDecoderLayer
+
     def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
         spec = arch_spec(config)
@@ -96,20 +132,21 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.embed_quantized: GgufWeight | None = None
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, spec, self.rotary, dtype)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, spec, self.rotary, dtype, window)
+                                    for window in model_windows(config))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # One sequence decoding runs all layers in one native call where it applies
         # (engine/models/single_decode.py); False keeps the layer-by-layer path.
         self.fused_single_decode = True
         self._single_plan: tuple[int, object] | None = None  # (KV cache address, plan or None)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
+        metas = per_layer(meta, len(self.layers))
         x = self.embed(input_ids)
-        if self.fused_single_decode and meta.max_query_len == 1 and input_ids.shape[0] == 1:
+        if self.fused_single_decode and metas[0].max_query_len == 1 and input_ids.shape[0] == 1:
             plan = self._plan_for(kv_caches)
             if plan is not None:
                 hidden = single_decode.run(plan, x, positions, meta)
@@ -117,8 +154,8 @@ class LlamaModel(nn.Module):
                     return hidden
         cos_sin = self.rotary.lookup(positions)
         residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer.forward(cos_sin, x, residual, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):
+            x, residual = layer.forward(cos_sin, x, residual, kv_cache, layer_meta)
         x, _ = self.norm(x, residual)
         return x
 
@@ -140,15 +177,23 @@ _FUSED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_
 _FUSED_RE = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.")
 
 
+def _fused_param(name: str) -> str | None:
+    """"qkv_proj" or "gate_up_proj" if `name` is a parameter of one, else None."""
+    return next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+
+
 class LlamaForCausalLM(nn.Module):
+    model_class = LlamaModel
+    # The checkpoint stores q/k/v and gate/up already fused, under our names (Phi-3):
+    # loaded as they are, and what LoRA adapters name (engine/models/lora_linear.py).
+    checkpoint_fused = False
+
     def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"model: hidden_act {config.hidden_act!r} unsupported for "
-                             f"{type(self).__name__} (only silu)")
+        self.check_config(config)
         self.config = config
         self.dtype = dtype
-        self.model = LlamaModel(config, dtype)
+        self.model = self.model_class(config, dtype)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head_weight = self.model.embed_tokens.weight
@@ -158,9 +203,18 @@ class LlamaForCausalLM(nn.Module):
         # Tensor parallelism: each rank's lm_head holds a slice of the vocabulary, and this
         # joins the ranks' logit columns into full rows (engine/distributed/sharding.py).
         self.gather_logits = None
+        # c * tanh(logits / c) (Gemma's final_logit_softcapping); None: off.
+        self.final_logit_softcap: float | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], attn_metadata: AttentionMetadata) -> torch.Tensor:
+    @classmethod
+    def check_config(cls, config) -> None:
+        """ValueError naming what the config asks for that this class does not run."""
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"model: hidden_act {config.hidden_act!r} unsupported for "
+                             f"{cls.__name__} (only silu)")
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
+                attn_metadata: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
@@ -170,6 +224,10 @@ class LlamaForCausalLM(nn.Module):
                                  or LinearWeight(self.lm_head_weight, None))
         if self.gather_logits is not None:
             logits = self.gather_logits(logits)
+        if self.final_logit_softcap is not None:
+            # In the logits' dtype before any upcast, where HF caps them.
+            cap = self.final_logit_softcap
+            logits = torch.tanh(logits / cap).mul_(cap)
         return logits.float() if upcast else logits
 
     def prepack(self, batch_invariant: bool = False) -> None:
@@ -181,7 +239,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepack(batch_invariant)
-            elif isinstance(module, (RMSNorm, PagedAttention)):
+            elif isinstance(module, (RMSNorm, GemmaRMSNorm, PagedAttention)):
                 module.batch_invariant = batch_invariant
         if self.lm_head_weight is not None:
             self.lm_head_prepared = dispatch.prepare_linear(self.lm_head_weight, None,
@@ -232,6 +290,10 @@ class LlamaForCausalLM(nn.Module):
             match = _FUSED_RE.search(name)
             if match is None:
                 target, offset = name, 0
+                if self.checkpoint_fused and _fused_param(name) is not None:
+                    # The whole fused tensor at once: every part of it is loaded.
+                    sizes = self._shard_sizes(_fused_param(name))
+                    loaded.update(f"{name}#{sum(sizes[:i])}" for i in range(1, len(sizes)))
             else:
                 fused, shard = _FUSED[match.group(1)]
                 target = name.replace(match.group(1), fused)
@@ -253,7 +315,7 @@ class LlamaForCausalLM(nn.Module):
         for name in params:
             if name == "lm_head_weight" and self.tie_word_embeddings:
                 continue
-            fused = next((f for f in ("qkv_proj", "gate_up_proj") if f".{f}." in name), None)
+            fused = _fused_param(name)
             if fused is None:
                 offsets = [0]
             else:

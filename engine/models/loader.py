@@ -169,12 +169,17 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     start = time.perf_counter()
     model_dir = resolve_model_dir(model)
     config = AutoConfig.from_pretrained(model_dir)
+    # First: an architecture no path runs is refused by name before anything reads the
+    # config as a decoder's.
+    model_class = model_class_for(config, model_impl)
+    if quantization is not None and not getattr(model_class, "supports_quantization", True):
+        raise ValueError(f"quantization {quantization!r}: {config.architectures} runs on the "
+                         "general path (model_impl='transformers'), which takes no GGUF weights")
     context = max_context(config, disable_sliding_window)
     if disable_sliding_window:
         # The models read their windows from the config (engine/config/sliding_window.py).
         config = copy.deepcopy(config)
         config.sliding_window = None
-    model_class = model_class_for(config, model_impl)
     torch_dtype = resolve_dtype(dtype, config, device)
     net = model_class(config, torch_dtype)
     with torch.no_grad():

@@ -77,13 +77,21 @@ def attach_lora(model: nn.Module) -> tuple[LoRABatch, dict[str, LoRATarget]]:
     kv = (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * head_dim
     inter = config.intermediate_size
     hidden = config.hidden_size
+    # Adapters name the base model's HF modules: q/k/v and gate/up apart, or fused as one
+    # where the checkpoint fuses them (Phi-3), in the same [q | k | v] / [gate | up] rows.
+    if getattr(model, "checkpoint_fused", False):
+        qkv_parts = (("qkv_proj", q + 2 * kv),)
+        gate_up_parts = (("gate_up_proj", 2 * inter),)
+    else:
+        qkv_parts = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+        gate_up_parts = (("gate_proj", inter), ("up_proj", inter))
     for i, layer in enumerate(model.model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         prefix = f"model.layers.{i}"
         layout = {
-            "self_attn.qkv_proj": (hidden, (("q_proj", q), ("k_proj", kv), ("v_proj", kv))),
+            "self_attn.qkv_proj": (hidden, qkv_parts),
             "self_attn.o_proj": (q, (("o_proj", hidden),)),
-            "mlp.gate_up_proj": (hidden, (("gate_proj", inter), ("up_proj", inter))),
+            "mlp.gate_up_proj": (hidden, gate_up_parts),
             "mlp.down_proj": (inter, (("down_proj", hidden),)),
         }
         for path, (in_features, parts) in layout.items():

@@ -12,6 +12,10 @@ NATIVE_MODELS: dict[str, str] = {
     "LlamaForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "MistralForCausalLM": "engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "engine.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "engine.models.qwen3:Qwen3ForCausalLM",
+    "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
 }
 
 
@@ -21,10 +25,29 @@ def native_class(arch: str) -> type[nn.Module]:
 
 
 def model_class_for(config: Any, model_impl: str = "auto") -> type[nn.Module]:
-    """The class for the config's first architecture we run; ValueError naming them if none."""
+    """The class that runs the config's architecture (vLLM's model_impl): "auto" the native
+    one where NATIVE_MODELS has it, else transformers' own modeling code over the paged
+    cache (engine/models/transformers_backend.py) where the architecture qualifies;
+    "native" / "transformers" insist on one. ValueError naming the architecture and why
+    when nothing runs it."""
     archs = list(getattr(config, "architectures", None) or [])
-    arch = next((a for a in archs if a in NATIVE_MODELS), None)
-    if arch is None:
-        raise ValueError(f"model: unsupported architectures {archs}; "
-                         f"supported: {sorted(NATIVE_MODELS)}")
-    return native_class(arch)
+    native = next((a for a in archs if a in NATIVE_MODELS), None)
+    if model_impl not in ("auto", "native", "transformers"):
+        raise ValueError(f"model_impl: expected 'auto', 'native' or 'transformers', "
+                         f"got {model_impl!r}")
+    if native is not None and model_impl != "transformers":
+        return native_class(native)
+    if model_impl == "native":
+        raise ValueError(f"model: no native implementation of {archs} (model_impl='native'); "
+                         f"native: {sorted(NATIVE_MODELS)}; model_impl='auto' or 'transformers' "
+                         "runs other architectures through transformers' modeling code")
+    # Imported here: it registers our attention with transformers on import.
+    from engine.models import transformers_backend
+
+    reason = transformers_backend.why_not(config)
+    if reason is None:
+        return transformers_backend.TransformersForCausalLM
+    if model_impl == "transformers":
+        raise ValueError(f"model: {archs} cannot run with model_impl='transformers': {reason}")
+    raise ValueError(f"model: unsupported architectures {archs}: no native implementation "
+                     f"(native: {sorted(NATIVE_MODELS)}) and not on the general path: {reason}")

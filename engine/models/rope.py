@@ -10,7 +10,10 @@ from torch import nn
 
 from kernels import dispatch
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Phi-3's first configs named longrope "su"; transformers' Phi3Config renames it, other
+# configs may not.
+_LONGROPE_TYPES = ("longrope", "su")
 
 
 def _base_inv_freq(theta: float, dim: int) -> torch.Tensor:
@@ -63,13 +66,58 @@ def _yarn_inv_freq(theta: float, dim: int, s: Mapping[str, Any],
     return inv_freq, float(attn_factor)
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """(inverse frequencies [rot_dim/2], cos/sin multiplier) for an HF config."""
+def _rotary_dim(config) -> int:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    theta = float(getattr(config, "rope_theta", 10000.0))
+    return int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+
+
+def _rope_type(config) -> tuple[str, Mapping[str, Any]]:
     scaling = getattr(config, "rope_scaling", None) or {}
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    return scaling.get("rope_type", scaling.get("type", "default")), scaling
+
+
+def longrope_inv_freq(config) -> tuple[torch.Tensor, torch.Tensor, int, float]:
+    """LongRoPE (Phi-3): (short inverse frequencies, long ones, the position from which
+    the long ones apply, cos/sin multiplier). HF's numbers: the per-dimension factors
+    divide the base frequencies; the multiplier comes from max_position_embeddings /
+    original_max_position_embeddings and is the same for both sets. Which set a position
+    gets is RotaryEmbedding's rule (docs/models.md, "Phi-3 longrope")."""
+    _, scaling = _rope_type(config)
+    dim = _rotary_dim(config)
+    theta = float(getattr(config, "rope_theta", 10000.0))
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = scaling.get(key)
+        if values is None or len(values) != dim // 2:
+            raise ValueError(f"rope_scaling longrope: {key} must list {dim // 2} factors "
+                             f"(one per rotated pair), got {values!r}")
+        factors[key] = torch.tensor(values, dtype=torch.float32)
+    # As HF: the config's original_max_position_embeddings when it has one (Phi-3's do),
+    # and then the scale is the ratio of the two lengths, not rope_scaling's factor.
+    original = getattr(config, "original_max_position_embeddings", None)
+    if original:
+        factor = config.max_position_embeddings / original
+    else:
+        original = config.max_position_embeddings
+        factor = float(scaling.get("factor") or 1.0)
+    mult = scaling.get("attention_factor")
+    if mult is None:
+        mult = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim
+    base = theta ** exponents
+    return (1.0 / (factors["short_factor"] * base), 1.0 / (factors["long_factor"] * base),
+            int(original), float(mult))
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rot_dim/2], cos/sin multiplier) for an HF config whose
+    positions all share one set (every type but longrope: longrope_inv_freq)."""
+    dim = _rotary_dim(config)
+    theta = float(getattr(config, "rope_theta", 10000.0))
+    rope_type, scaling = _rope_type(config)
+    if rope_type in _LONGROPE_TYPES:
+        raise ValueError("rope_scaling longrope: two sets of frequencies by position; "
+                         "see longrope_inv_freq")
     if rope_type == "default":
         return _base_inv_freq(theta, dim), 1.0
     if rope_type == "linear":
@@ -87,10 +135,20 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, dtype: torch.dtype) -> None:
         super().__init__()
-        inv_freq, mult = rope_inv_freq(config)
-        self.rot_half = inv_freq.numel()
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        angles = torch.outer(positions, inv_freq)
+        if _rope_type(config)[0] in _LONGROPE_TYPES:
+            # Each position's own set: short below original_max_position_embeddings, long
+            # from it on, whatever the sequence's length. A position then rotates the same
+            # in every chunking of a prompt and in the prefix cache (HF instead switches
+            # the whole sequence once it grows past; docs/models.md, "Phi-3 longrope").
+            short, long, original, mult = longrope_inv_freq(config)
+            inv_freq = short
+            angles = torch.cat((torch.outer(positions[:original], short),
+                                torch.outer(positions[original:], long)))
+        else:
+            inv_freq, mult = rope_inv_freq(config)
+            angles = torch.outer(positions, inv_freq)
+        self.rot_half = inv_freq.numel()
         # HF rounds cos/sin to the model dtype before mixing, so do the same.
         self.register_buffer("cos", (angles.cos() * mult).to(dtype), persistent=False)
         self.register_buffer("sin", (angles.sin() * mult).to(dtype), persistent=False)

@@ -8,13 +8,20 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
+from engine.models.layers import RMSNorm, SwiGLUMLP
 from kernels import dispatch
 from kernels.dispatch import DecodeStepPlan, LayerWeights
 
 
 def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
-    """model: a LlamaModel; None unless every layer is float32 or bf16 on CPU with dense
-    or GGUF weights (GPUs and other formats keep the layer-by-layer path)."""
+    """model: a LlamaModel; None unless every layer is Llama's own layer exactly (the C
+    step knows nothing else: no window, soft cap, q/k norm, other norm or MLP) and float32
+    or bf16 on CPU with dense or GGUF weights (GPUs and other formats keep the
+    layer-by-layer path)."""
+    if not all(_is_plain_llama_layer(layer, model.rotary) for layer in model.layers):
+        return None
+    if type(model.norm) is not RMSNorm:
+        return None
     layers = []
     for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
@@ -29,12 +36,31 @@ def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
     if not (first.input_layernorm.eps == first.post_attention_layernorm.eps == model.norm.eps):
         return None
     return dispatch.decode_step_plan(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                                     model.rotary.rot_half, model.norm.eps, attn.attn.scale,
+                                     model.rotary.rot_half, model.norm.eps, attn.scale,
                                      model.rotary.cos, model.rotary.sin, model.norm.weight)
 
 
+def _is_plain_llama_layer(layer: nn.Module, rotary: nn.Module) -> bool:
+    # Exact types, not isinstance: a family that subclasses Llama's modules (Qwen3's
+    # q/k norms) changes what the layer computes.
+    from engine.models.llama import LlamaAttention, LlamaDecoderLayer
+
+    attn = layer.self_attn
+    return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention
+            and attn.q_norm is None and attn.k_norm is None
+            and attn.sliding_window is None and attn.soft_cap is None
+            and attn.rotary is rotary
+            and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm
+            and type(layer.mlp) is SwiGLUMLP)
+
+
 def run(plan: DecodeStepPlan, embedding: torch.Tensor, positions: torch.Tensor,
-        meta: AttentionMetadata) -> torch.Tensor | None:
+        meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor | None:
+    """The hidden state, or None where the plan cannot take this step: per-layer metadata
+    (the KV manager's groups of layers, each with its own block table) is one of those."""
+    if not isinstance(meta, AttentionMetadata):
+        return None
     tables = meta.block_tables
     if tables.dtype != torch.int32 or not tables.is_contiguous() or not embedding.is_contiguous():
         return None
