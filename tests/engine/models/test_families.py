@@ -200,13 +200,14 @@ def _fresh_cache(loaded):
 
 
 def test_fused_single_decode_runs_llama_layers_only(family):
-    """The native single-sequence step implements Llama's layer; every other layer (a
-    window, a soft cap, q/k norms, Gemma's norms) must keep the layer-by-layer path."""
+    """The native single-sequence step implements Llama's layer, with Qwen3's q/k norms
+    and a window (test_single_decode_families.py checks those to the bit); every other
+    layer (a soft cap, Gemma's norms) must keep the layer-by-layer path."""
     name, _, loaded, _ = family
     builder = PagedBatchBuilder(block_size=4, num_blocks=8)
     kv = builder.new_kv_caches(loaded, torch.float32)
     plan = single_decode.build_plan(loaded.model.model, kv)
-    if name.startswith("phi3"):  # Llama's layer exactly; only a native build can plan it
+    if not name.startswith("gemma"):  # only a native build can plan it
         from kernels.cpu import native as cpu_native
         assert (plan is not None) == (cpu_native.load_library() is not None)
     else:
@@ -243,7 +244,9 @@ def test_bf16_tracks_hf_bf16(family):
     logits = _logits(loaded, kv, builder, [("S", toks, 0)])
     expected = hf_logits(hf, toks)
     # Equally valid bf16 roundings (the attention kernels differ); logits span about +-2.
-    torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
+    # transformers 4.53's Gemma 3 rounds a little further from ours (0.13 seen, 28 of 2M
+    # logits); 4.57's stays within 0.1.
+    torch.testing.assert_close(logits, expected, atol=0.15, rtol=0.05)
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.9
 
 
