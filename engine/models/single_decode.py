@@ -14,11 +14,12 @@ from kernels.dispatch import DecodeStepPlan, LayerWeights
 
 
 def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
-    """model: a LlamaModel; None unless every layer is Llama's own layer exactly (the C
-    step knows nothing else: no window, soft cap, q/k norm, other norm or MLP) and float32
-    or bf16 on CPU with dense or GGUF weights (GPUs and other formats keep the
-    layer-by-layer path)."""
-    if not all(_is_plain_llama_layer(layer, model.rotary) for layer in model.layers):
+    """model: a LlamaModel; None unless every layer is Llama's own layer, optionally with
+    Qwen3's per-head q/k RMSNorms and a sliding window (the C step knows nothing else: no
+    soft cap, other norm or MLP; Gemma keeps the layer-by-layer path), and float32 or bf16
+    on CPU with dense or GGUF weights (GPUs and other formats keep the layer-by-layer
+    path)."""
+    if not all(_is_llama_layer(layer, model.rotary) for layer in model.layers):
         return None
     if type(model.norm) is not RMSNorm:
         return None
@@ -30,25 +31,40 @@ def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
             gate_up=mlp.gate_up_proj.kernel_weight(), down=mlp.down_proj.kernel_weight(),
             input_norm=layer.input_layernorm.weight,
             post_norm=layer.post_attention_layernorm.weight, key_cache=key_cache,
-            value_cache=value_cache))
+            value_cache=value_cache,
+            q_norm=None if attn.q_norm is None else attn.q_norm.weight,
+            k_norm=None if attn.k_norm is None else attn.k_norm.weight,
+            window=attn.sliding_window))
     first = model.layers[0]
     attn = first.self_attn
-    if not (first.input_layernorm.eps == first.post_attention_layernorm.eps == model.norm.eps):
+    if not all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps == model.norm.eps
+               for layer in model.layers):
+        return None
+    # The plan holds one scale and one q/k-norm epsilon for the whole stack.
+    if any(layer.self_attn.scale != attn.scale for layer in model.layers):
+        return None
+    qk_eps = {norm.eps for layer in model.layers
+              for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm) if norm is not None}
+    if len(qk_eps) > 1:
         return None
     return dispatch.decode_step_plan(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                      model.rotary.rot_half, model.norm.eps, attn.scale,
-                                     model.rotary.cos, model.rotary.sin, model.norm.weight)
+                                     model.rotary.cos, model.rotary.sin, model.norm.weight,
+                                     qk_eps.pop() if qk_eps else None)
 
 
-def _is_plain_llama_layer(layer: nn.Module, rotary: nn.Module) -> bool:
-    # Exact types, not isinstance: a family that subclasses Llama's modules (Qwen3's
-    # q/k norms) changes what the layer computes.
+def _is_llama_layer(layer: nn.Module, rotary: nn.Module) -> bool:
+    # Exact types, not isinstance: a family that subclasses Llama's modules changes what
+    # the layer computes; Qwen3's subclasses add only the q/k norms, which the step runs.
     from engine.models.llama import LlamaAttention, LlamaDecoderLayer
+    from engine.models.qwen3 import Qwen3Attention, Qwen3DecoderLayer
 
     attn = layer.self_attn
-    return (type(layer) is LlamaDecoderLayer and type(attn) is LlamaAttention
-            and attn.q_norm is None and attn.k_norm is None
-            and attn.sliding_window is None and attn.soft_cap is None
+    qk_norms = (attn.q_norm, attn.k_norm)
+    return (type(layer) in (LlamaDecoderLayer, Qwen3DecoderLayer)
+            and type(attn) in (LlamaAttention, Qwen3Attention)
+            and (all(n is None for n in qk_norms) or all(type(n) is RMSNorm for n in qk_norms))
+            and attn.soft_cap is None
             and attn.rotary is rotary
             and type(layer.input_layernorm) is RMSNorm
             and type(layer.post_attention_layernorm) is RMSNorm

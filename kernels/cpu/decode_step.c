@@ -11,6 +11,11 @@
  * matmul is dense in that dtype (linear_f32_rows, linear_bf16_rows), GEMM panels in that
  * dtype (gemm_f32, gemm_bf16, where those replace the dense copy) or GGUF blocks
  * (linear_gguf). The caller keeps the descriptors and the scratch buffer.
+ *
+ * Beyond Llama's layer: per-head RMSNorms of q and k before RoPE (Qwen3), run as the
+ * layer path runs them (add_rms_norm over the heads as rows), and each layer's own
+ * sliding window (Mistral, Phi-3, windowed Qwen), through the decode kernel's windowed
+ * entry point, which never reads block-table entries wholly behind the window.
  */
 #include <stdint.h>
 #include <string.h>
@@ -36,11 +41,12 @@ void reshape_and_cache_32(const uint32_t *key, int64_t key_stride, const uint32_
 void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_t *value,
                           int64_t value_stride, uint16_t *key_cache, uint16_t *value_cache,
                           const int64_t *slots, int64_t tokens, int64_t row, int num_threads);
-int paged_decode_attention(const void *query, const void *key_cache, const void *value_cache,
-                           void *out, const int32_t *block_tables, const int32_t *seq_lens,
-                           int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                           int block_size, int max_blocks, float scale, int is_bf16,
-                           int num_threads);
+int paged_decode_attention_windowed(const void *query, const void *key_cache,
+                                    const void *value_cache, void *out,
+                                    const int32_t *block_tables, const int32_t *seq_lens,
+                                    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                                    int block_size, int max_blocks, float scale, int window,
+                                    float soft_cap, int is_bf16, int num_threads);
 int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
                 int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
                 int out_bf16, int num_threads);
@@ -73,6 +79,8 @@ typedef struct {
     linear_t qkv, o, gate_up, down;
     const void *input_norm, *post_norm;
     void *key_cache, *value_cache;
+    const void *q_norm, *k_norm;  /* [head_dim] each, or both NULL: no q/k norm */
+    int64_t window;               /* keys a row sees (itself included), 0: all */
 } layer_t;
 
 typedef struct {
@@ -80,6 +88,7 @@ typedef struct {
     int64_t block_size;
     int64_t is_bf16;       /* activations, norms, rope tables and KV cache: bf16, else float32 */
     double eps, scale;
+    double qk_eps;         /* the q/k norms' epsilon (layers that have them) */
     const void *cos_table, *sin_table, *final_norm;
     const layer_t *layers;
 } model_t;
@@ -107,9 +116,19 @@ static void norm(int bf16, const void *x, void *residual, const void *weight, vo
     else add_rms_norm_f32(x, residual, weight, out, 1, hidden, eps, num_threads);
 }
 
+/* rms_norm of each of `rows` rows of x (read only: no residual add) into out. */
+static void norm_rows(int bf16, const void *x, const void *weight, void *out, int64_t rows,
+                      int64_t width, float eps, int num_threads) {
+    if (bf16)
+        add_rms_norm_bf16(NULL, (uint16_t *)x, weight, out, rows, width, eps, num_threads);
+    else
+        add_rms_norm_f32(NULL, (float *)x, weight, out, rows, width, eps, num_threads);
+}
+
 int64_t decode_step_scratch_floats(const model_t *m) {
     const int64_t qkv = (m->num_heads + 2 * m->num_kv_heads) * m->head_dim;
-    return 3 * m->hidden + qkv + (m->num_heads + m->num_kv_heads) * m->head_dim
+    /* twice (heads + kv_heads) * head_dim: the rotated q|k, and q|k after their norms */
+    return 3 * m->hidden + qkv + 2 * (m->num_heads + m->num_kv_heads) * m->head_dim
            + m->num_heads * m->head_dim + 3 * m->inter;
 }
 
@@ -129,6 +148,7 @@ int decode_step(const model_t *m, const void *x, void *out, void *scratch, int64
     char *layer_out = normed + hidden * elem, *qkv = layer_out + hidden * elem;
     char *rotated = qkv + qkv_width * elem, *attn = rotated + (heads + kv_heads) * dim * elem;
     char *gate_up = attn + heads * dim * elem, *act = gate_up + 2 * m->inter * elem;
+    char *normed_qk = act + m->inter * elem;
     memcpy(residual, x, (size_t)hidden * elem);
     const void *layer_in = NULL;  /* the first layer's residual is the embedding itself */
     for (int64_t l = 0; l < m->num_layers; l++) {
@@ -138,23 +158,36 @@ int decode_step(const model_t *m, const void *x, void *out, void *scratch, int64
         if ((status = run_linear(&layer->qkv, normed, qkv, bf16, num_threads)) != 0) return status;
         /* q and k rotated side by side; v read in place from the projection */
         char *value = qkv + (heads + kv_heads) * dim * elem, *key = rotated + heads * dim * elem;
+        const char *rope_in = qkv;
+        int64_t rope_stride = qkv_width;
+        if (layer->q_norm != NULL) {
+            /* The layer path's _normed_qk: one norm call over the q heads as rows, one over
+             * the k heads, into a packed q|k row that RoPE then reads. */
+            const float qk_eps = (float)m->qk_eps;
+            norm_rows(bf16, qkv, layer->q_norm, normed_qk, heads, dim, qk_eps, num_threads);
+            norm_rows(bf16, qkv + heads * dim * elem, layer->k_norm,
+                      normed_qk + heads * dim * elem, kv_heads, dim, qk_eps, num_threads);
+            rope_in = normed_qk;
+            rope_stride = (heads + kv_heads) * dim;
+        }
         if (bf16) {
-            rope_bf16((const uint16_t *)qkv, qkv_width, 1, heads + kv_heads, dim, m->rot_half,
-                      &position, m->cos_table, m->sin_table, (uint16_t *)rotated, num_threads);
+            rope_bf16((const uint16_t *)rope_in, rope_stride, 1, heads + kv_heads, dim,
+                      m->rot_half, &position, m->cos_table, m->sin_table, (uint16_t *)rotated,
+                      num_threads);
             reshape_and_cache_16((const uint16_t *)key, (heads + kv_heads) * dim,
                                  (const uint16_t *)value, qkv_width, layer->key_cache,
                                  layer->value_cache, &slot, 1, kv_heads * dim, num_threads);
         } else {
-            rope_f32((const float *)qkv, qkv_width, 1, heads + kv_heads, dim, m->rot_half,
+            rope_f32((const float *)rope_in, rope_stride, 1, heads + kv_heads, dim, m->rot_half,
                      &position, m->cos_table, m->sin_table, (float *)rotated, num_threads);
             reshape_and_cache_32((const uint32_t *)key, (heads + kv_heads) * dim,
                                  (const uint32_t *)value, qkv_width, layer->key_cache,
                                  layer->value_cache, &slot, 1, kv_heads * dim, num_threads);
         }
-        status = paged_decode_attention(rotated, layer->key_cache, layer->value_cache, attn,
-                                        block_table, &seq_len, 1, (int)heads, (int)kv_heads,
-                                        (int)dim, (int)m->block_size, max_blocks,
-                                        (float)m->scale, bf16, num_threads);
+        status = paged_decode_attention_windowed(
+            rotated, layer->key_cache, layer->value_cache, attn, block_table, &seq_len, 1,
+            (int)heads, (int)kv_heads, (int)dim, (int)m->block_size, max_blocks,
+            (float)m->scale, (int)layer->window, 0.f, bf16, num_threads);
         if (status != 0) return status;
         if ((status = run_linear(&layer->o, attn, layer_out, bf16, num_threads)) != 0)
             return status;

@@ -7,6 +7,7 @@ cache); a step then passes the token's embedding, position, slot and block table
 Applies on CPU to float32 or bf16 models (activations, norms, rope tables and KV cache
 in one dtype) with dense weights in that dtype, GEMM panels in that dtype or GGUF
 Q4_0/Q4_1/Q8_0 blocks; `plan` returns None otherwise and the caller keeps its own path.
+A layer may add per-head q/k RMSNorms before RoPE (Qwen3) and a sliding window.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from kernels.cpu import native as cpu_native
 from kernels.gguf_weight import FORMATS, GgufWeight
 from kernels.linear_weight import LinearWeight
+from kernels.validation import MAX_WINDOW
 
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 
@@ -30,14 +32,15 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _P), ("post_norm", _P), ("key_cache", _P), ("value_cache", _P)]
+                ("input_norm", _P), ("post_norm", _P), ("key_cache", _P), ("value_cache", _P),
+                ("q_norm", _P), ("k_norm", _P), ("window", _I64)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("rot_half", _I64), ("inter", _I64),
                 ("block_size", _I64), ("is_bf16", _I64), ("eps", ctypes.c_double),
-                ("scale", ctypes.c_double),
+                ("scale", ctypes.c_double), ("qk_eps", ctypes.c_double),
                 ("cos_table", _P), ("sin_table", _P), ("final_norm", _P),
                 ("layers", ctypes.POINTER(_Layer))]
 
@@ -63,6 +66,11 @@ class LayerWeights:
     post_norm: torch.Tensor
     key_cache: torch.Tensor
     value_cache: torch.Tensor
+    # Per-head RMSNorm weights [head_dim] of q and k before RoPE (Qwen3): both or neither.
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    # Keys a decode row sees, itself included (the attention's sliding_window); None: all.
+    window: int | None = None
 
 
 # The dense weight types of decode_step.c's linear_t (GGUF blocks carry their type id).
@@ -122,10 +130,12 @@ class DecodeStepPlan:
 
 def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
          rot_half: int, eps: float, scale: float, cos_table: torch.Tensor,
-         sin_table: torch.Tensor, final_norm: torch.Tensor) -> DecodeStepPlan | None:
+         sin_table: torch.Tensor, final_norm: torch.Tensor,
+         qk_eps: float | None = None) -> DecodeStepPlan | None:
     """None when the fused step does not apply (no library, a GPU tensor, a dtype other
     than float32 / bf16 or mixed dtypes, a weight format the kernel lacks); the
-    layer-by-layer path then serves. The model's dtype is final_norm's."""
+    layer-by-layer path then serves. The model's dtype is final_norm's; `qk_eps` is the
+    q/k norms' epsilon, needed where a layer has them."""
     dtype = final_norm.dtype
     if _library() is None or not layers or dtype not in _DENSE:
         return None
@@ -139,6 +149,18 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
         if (any(lin is None for lin in linears) or not all(_cpu(t, dtype) for t in tensors)
                 or layer.key_cache.shape[1] != block_size):
             return None
+        if (layer.q_norm is None) != (layer.k_norm is None):
+            return None
+        if layer.q_norm is not None:
+            if (qk_eps is None or not _cpu(layer.q_norm, dtype) or not _cpu(layer.k_norm, dtype)
+                    or layer.q_norm.numel() != head_dim or layer.k_norm.numel() != head_dim):
+                return None
+            entry.q_norm, entry.k_norm = layer.q_norm.data_ptr(), layer.k_norm.data_ptr()
+        if layer.window is not None:
+            if layer.window < 1:
+                return None
+            # The clamp the layer path's decode call applies (kernels/cpu/native.py).
+            entry.window = min(layer.window, MAX_WINDOW)
         entry.qkv, entry.o, entry.gate_up, entry.down = linears
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         entry.key_cache = layer.key_cache.data_ptr()
@@ -146,7 +168,8 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
     hidden = final_norm.shape[0]
     inter = layers[0].down.in_features
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
-                   block_size, int(dtype == torch.bfloat16), eps, scale, cos_table.data_ptr(),
+                   block_size, int(dtype == torch.bfloat16), eps, scale,
+                   eps if qk_eps is None else qk_eps, cos_table.data_ptr(),
                    sin_table.data_ptr(), final_norm.data_ptr(), table)
     scratch = torch.empty(_library().decode_step_scratch_floats(ctypes.byref(model)),
                           dtype=torch.float32)

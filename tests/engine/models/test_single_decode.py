@@ -1,7 +1,10 @@
 """A single sequence's decode step in one native call (engine/models/single_decode.py)
 gives bit-equal results to the layer-by-layer path it skips: same tokens, same logprobs,
-same K/V, for dense float32 and bf16 (Llama, Qwen2 with q/k/v biases) and GGUF-quantized
-weights under float32 and bf16 activations."""
+same K/V, for dense float32 and bf16 (Llama, Qwen2 with q/k/v biases, Qwen3's q/k norms,
+Mistral's window, whose blocks behind it the engine frees while the request runs) and
+GGUF-quantized weights under float32 and bf16 activations. Step by step, with NaN
+placeholders behind windows and GGUF weights on the new families:
+test_single_decode_families.py."""
 from __future__ import annotations
 
 import pytest
@@ -33,7 +36,8 @@ def one_at_a_time(llm: LLM, single_decode: bool, max_tokens: int = 12):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# PROMPTS plus 12 tokens run past mistral-window's window of 12.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window"])
 def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path):
     path = make_tiny_model_dir(tmp_path, arch=arch, seed=11, num_hidden_layers=3)
 
@@ -48,8 +52,9 @@ def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_step_writes_the_same_kv(dtype, tmp_path):
-    path = make_tiny_model_dir(tmp_path, arch="llama", seed=12)
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_fused_step_writes_the_same_kv(arch, dtype, tmp_path):
+    path = make_tiny_model_dir(tmp_path, arch=arch, seed=12)
     caches = []
     for single in (False, True):
         llm = LLM(str(path), dtype=dtype, num_kv_blocks=32, block_size=8, max_model_len=128,
