@@ -394,3 +394,32 @@ def test_no_evict_admission_counts_a_window_not_the_whole_context():
     assert run(build_layout([W])) == 4
     # A hybrid's full group still needs all 16: 16 + 5 a request, two in 48 blocks.
     assert run(build_layout([W, None])) == 2
+
+
+def test_a_gemma_3_1b_request_at_8k_holds_its_full_layers_and_windows_only():
+    # Gemma-3-1B's own layout (26 layers, every sixth global, 512-token windows), one
+    # request prefilled in 512-token chunks to 8k and decoding: its KV in layer-blocks
+    # (held blocks x layers per block) stays at the full layers' whole context plus each
+    # windowed layer's window (+ a chunk), about a quarter of 26 full layers'.
+    config = SimpleNamespace(model_type="gemma3_text", num_hidden_layers=26,
+                             sliding_window=512, sliding_window_pattern=6)
+    layout = build_layout(layer_windows(config))
+    block_size, chunk, context = 16, 512, 8192
+    kv = KVCacheManager(num_blocks=4096, block_size=block_size, layout=layout)
+    r = req("r", range(1, context - 63))
+    peak = 0
+    while r.num_computed_tokens < r.num_tokens:
+        n = min(chunk, r.num_tokens - r.num_computed_tokens)
+        assert kv.allocate_slots(r, n) is not None
+        r.num_computed_tokens += n
+        peak = max(peak, held(kv))
+    while r.num_tokens < context:
+        assert decode(kv, r) is not None
+        peak = max(peak, held(kv))
+    full_layers = sum(w is None for w in layer_windows(config))
+    windowed_layers = len(layout.groups) * layout.group_size - full_layers  # padding included
+    bound = (full_layers * (context // block_size)
+             + windowed_layers * ((512 + chunk - 2) // block_size + 2))
+    assert full_layers == 4 and layout.group_size == 4
+    assert peak * layout.group_size <= bound
+    assert peak * layout.group_size < 0.3 * 26 * (context // block_size)
