@@ -7,14 +7,10 @@ testing/tiny_model.py does the same for the natively implemented families."""
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
-# Tokenizer files copied beside the weights (those the SmolLM2 folder has).
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                    "chat_template.jinja")
+from testing.tiny_model import parse_overrides, write_random_model
 
 # The same sizes as testing/tiny_model.py: small enough to build in milliseconds, a real
 # vocabulary so the tokenizer's ids are all in range.
@@ -55,7 +51,6 @@ def make_tiny_hf_dir(path: str | Path, model_type: str, seed: int = 0,
     """Write a tiny random `model_type` causal LM (config, safetensors, tokenizer) to
     `path` and return it. `overrides` go to the config; keys the config class does not
     know are kept on it, as HF keeps them."""
-    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     known = AutoConfig.for_model(model_type).to_dict()
@@ -64,36 +59,13 @@ def make_tiny_hf_dir(path: str | Path, model_type: str, seed: int = 0,
     common = {k: v for k, v in _COMMON.items() if k in known}
     config = AutoConfig.for_model(model_type, **{**common, **_DEFAULTS.get(model_type, {}),
                                                  **overrides})
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = AutoModelForCausalLM.from_config(config).float().eval()
-        config.architectures = [type(model).__name__]
-        std = config.initializer_range
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                # HF starts biases at 0 and norms at 1 (0 for Gemma's offset norms),
-                # which would hide a loader that drops them; perturb both.
-                if name.endswith("bias"):
-                    param.normal_(0.0, std)
-                elif "norm" in name:
-                    param.add_(torch.randn_like(param) * 0.1)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    _copy_tokenizer(Path(tokenizer_dir) if tokenizer_dir else None, out)
-    return out
+    return write_random_model(lambda: _with_architecture(AutoModelForCausalLM.from_config(config)),
+                              path, seed, tokenizer_dir)
 
 
-def _copy_tokenizer(src: Path | None, out: Path) -> None:
-    if src is None:
-        from engine.models import default_model_dir
-        src = default_model_dir()
-    for name in _TOKENIZER_FILES:
-        if (src / name).is_file():
-            shutil.copyfile(src / name, out / name)
+def _with_architecture(model):
+    model.config.architectures = [type(model).__name__]
+    return model
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,16 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="config override, e.g. --set num_hidden_layers=4")
     args = parser.parse_args(argv)
-    overrides = {}
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set: expected KEY=VALUE, got {item!r}")
-        try:
-            overrides[key] = json.loads(value)
-        except json.JSONDecodeError:
-            overrides[key] = value
-    print(make_tiny_hf_dir(args.out, args.model_type, args.seed, **overrides))
+    print(make_tiny_hf_dir(args.out, args.model_type, args.seed, **parse_overrides(args.set)))
 
 
 if __name__ == "__main__":

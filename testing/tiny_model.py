@@ -83,15 +83,22 @@ def make_tiny_model_dir(path: str | Path, arch: str = "llama", seed: int = 0,
     """Write a tiny random HF model (config, safetensors, tokenizer) to `path` and return it.
 
     `overrides` go to the HF config (e.g. num_hidden_layers=3, rope_scaling={...})."""
-    import torch
-
     config = tiny_config(arch, **overrides)
     model_cls = _hf_classes(arch)[1]
+    return write_random_model(lambda: model_cls(config), path, seed, tokenizer_dir)
+
+
+def write_random_model(build, path: str | Path, seed: int = 0,
+                       tokenizer_dir: str | Path | None = None) -> Path:
+    """`build()`'s model (HF's random init under `seed`, norms and biases perturbed),
+    saved to `path` with the SmolLM2 tokenizer (or `tokenizer_dir`'s); returns `path`."""
+    import torch
+
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
-        model = model_cls(config).float().eval()
-        std = config.initializer_range
+        model = build().float().eval()
+        std = model.config.initializer_range
         with torch.no_grad():
             for name, param in model.named_parameters():
                 # HF initialises biases to 0 and norms to 1 (Gemma's to 0, applied as
@@ -127,8 +134,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="config override, e.g. --set num_hidden_layers=4")
     args = parser.parse_args(argv)
+    print(make_tiny_model_dir(args.out, args.arch, args.seed, **parse_overrides(args.set)))
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """--set KEY=JSON items -> config overrides (a value that is not JSON stays a string)."""
     overrides = {}
-    for item in args.set:
+    for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"--set: expected KEY=VALUE, got {item!r}")
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             overrides[key] = json.loads(value)
         except json.JSONDecodeError:
             overrides[key] = value
-    print(make_tiny_model_dir(args.out, args.arch, args.seed, **overrides))
+    return overrides
 
 
 if __name__ == "__main__":
