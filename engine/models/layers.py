@@ -141,16 +141,9 @@ class GemmaRMSNorm(nn.Module):
         return (xf * scale).to(x.dtype)
 
 
-class GeGLUMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's gelu_pytorch_tanh) with gate and up
-    fused into one matmul; the names SwiGLUMLP's, which LoRA and sharding wrap."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 dtype: torch.dtype) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+class GeGLUMLP(SwiGLUMLP):
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's gelu_pytorch_tanh): SwiGLUMLP's fused
+    layers and names, which LoRA and sharding wrap, with another activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj.forward(x)
