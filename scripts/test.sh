@@ -22,8 +22,9 @@ CAPPED_TESTS=(tests/kernels/cpu/test_features.py tests/kernels/cpu/test_linear.p
               tests/engine/models/test_loader.py tests/engine/models/test_paged.py
               tests/kernels/cpu/test_native.py tests/engine/sample/test_sampler.py
               tests/engine/test_generate.py tests/e2e/test_llm_text.py)
-# What reads transformers' configs or runs its modeling code.
-FLOOR_TESTS=(tests/engine/models tests/engine/test_generate.py)
+# What reads transformers' configs or runs its modeling code against HF's own models.
+FLOOR_TESTS=(tests/engine/models/test_families.py tests/engine/models/test_transformers_backend.py
+             tests/engine/models/test_loader.py tests/engine/models/test_paged.py)
 isa=$(.venv/bin/python -c 'from kernels.cpu import features as c; print(c.detect().detected_isa)')
 capped=0
 if [ "${TLE_TEST_CAPPED:-1}" != 0 ] && [ -z "${TLE_CPU_ISA:-}" ]; then
