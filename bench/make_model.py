@@ -96,7 +96,7 @@ def weight_shapes(c: dict) -> dict[str, tuple[int, ...]]:
     h, q = c["hidden_size"], c["num_attention_heads"] * c["head_dim"]
     kv, inter = c["num_key_value_heads"] * c["head_dim"], c["intermediate_size"]
     shapes = {"model.embed_tokens.weight": (c["vocab_size"], h)}
-    family = c["model_type"]
+    family = c.get("model_type", "llama")  # a bare SHAPES entry is a Llama
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}."
         shapes.update({p + "input_layernorm.weight": (h,), p + "self_attn.q_proj.weight": (q, h),
@@ -129,7 +129,7 @@ def random_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
         noise = torch.randn(shape, generator=g)
         if name.endswith("norm.weight"):
             # Gemma stores w and scales by (1 + w): the same 1 +- 0.1 either way.
-            w = (0.0 if config["model_type"] == "gemma3_text" else 1.0) + 0.1 * noise
+            w = (0.0 if config.get("model_type") == "gemma3_text" else 1.0) + 0.1 * noise
         else:
             w = noise * (INIT_STD if "embed_tokens" in name else shape[1] ** -0.5)
         weights[name] = w.to(torch.bfloat16)
