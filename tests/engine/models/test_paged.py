@@ -7,7 +7,8 @@ import torch
 
 from engine.models import load_model
 from testing.tiny_model import make_tiny_model_dir
-from testing.model_batch import PagedBatchBuilder, hf_logits
+from testing.model_batch import (PagedBatchBuilder, check_mixed_batches_match_hf, hf_logits,
+                                  run_chunks)
 from testing.hf_reference import hf_causal_lm
 
 pytestmark = pytest.mark.timeout(300)
@@ -20,35 +21,8 @@ def tiny(request, tmp_path_factory):
     return load_model(path, torch.float32), hf
 
 
-def _run(loaded, kv, builder, chunks):
-    ids, positions, meta = builder.build(chunks)
-    with torch.inference_mode():
-        hidden = loaded.model(ids, positions, kv, meta)
-        assert hidden.shape == (len(ids), loaded.hidden_size)
-        return loaded.model.compute_logits(hidden)
-
-
 def test_mixed_batch_matches_hf(tiny):
-    loaded, hf = tiny
-    gen = torch.Generator().manual_seed(0)
-    seqs = {name: torch.randint(3, 49152, (n,), generator=gen).tolist()
-            for name, n in (("A", 9), ("B", 13), ("C", 8))}
-    builder = PagedBatchBuilder(block_size=4, num_blocks=24)
-    kv = builder.new_kv_caches(loaded, torch.float32)
-    # Each step: (seq, start, end) of tokens to run. A: full prompt then decodes;
-    # B: prefill in two chunks (the second alongside decodes); C: prompt then decodes.
-    steps = [[("A", 0, 7), ("B", 0, 6), ("C", 0, 5)],
-             [("B", 6, 13), ("C", 5, 6), ("A", 7, 8)],
-             [("C", 6, 7), ("A", 8, 9)],
-             [("C", 7, 8)]]
-    reference = {name: hf_logits(hf, toks) for name, toks in seqs.items()}
-    # Random weights must still separate positions, or a wrong position would pass.
-    assert not torch.allclose(reference["A"][5], reference["A"][6], atol=1e-2)
-    for step in steps:
-        logits = _run(loaded, kv, builder, [(n, seqs[n][s:e], s) for n, s, e in step])
-        expected = torch.cat([reference[n][s:e] for n, s, e in step])
-        assert logits.dtype == torch.float32
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    check_mixed_batches_match_hf(*tiny)
 
 
 def test_logits_only_for_selected_rows(tiny):
@@ -73,7 +47,7 @@ def test_bf16_tracks_hf_bf16(tiny):
     builder = PagedBatchBuilder(block_size=4, num_blocks=8)
     kv = builder.new_kv_caches(loaded, torch.bfloat16)
     assert kv[0][0].dtype == loaded.dtype == torch.bfloat16
-    logits = _run(loaded, kv, builder, [("S", toks, 0)])
+    logits = run_chunks(loaded, kv, builder, [("S", toks, 0)])
     expected = hf_logits(hf, toks)
     # Different but equally valid bf16 roundings (attention kernels differ); logits
     # here span about +-2.

@@ -13,7 +13,8 @@ from engine.models import load_model
 from engine.models.registry import NATIVE_MODELS, model_class_for
 from engine.models.transformers_backend import TransformersForCausalLM
 from testing.hf_reference import hf_causal_lm
-from testing.model_batch import PagedBatchBuilder, hf_logits
+from testing.model_batch import (PagedBatchBuilder, check_mixed_batches_match_hf, hf_logits,
+                                  run_chunks)
 from testing.tiny_hf_model import make_tiny_hf_dir
 from testing.tiny_model import make_tiny_model_dir
 
@@ -35,14 +36,6 @@ def tiny(request, tmp_path_factory):
     return load_model(path, torch.float32, model_impl="transformers"), hf
 
 
-def _run(loaded, kv, builder, chunks):
-    ids, positions, meta = builder.build(chunks)
-    with torch.inference_mode():
-        hidden = loaded.model(ids, positions, kv, meta)
-        assert hidden.shape == (len(ids), loaded.hidden_size)
-        return loaded.model.compute_logits(hidden)
-
-
 def test_architecture_runs_on_the_general_path(tiny):
     loaded, hf = tiny
     assert isinstance(loaded.model, TransformersForCausalLM)
@@ -53,25 +46,7 @@ def test_architecture_runs_on_the_general_path(tiny):
 
 
 def test_mixed_batch_matches_hf(tiny):
-    loaded, hf = tiny
-    gen = torch.Generator().manual_seed(0)
-    seqs = {name: torch.randint(3, 49152, (n,), generator=gen).tolist()
-            for name, n in (("A", 9), ("B", 13), ("C", 8))}
-    builder = PagedBatchBuilder(block_size=4, num_blocks=24)
-    kv = builder.new_kv_caches(loaded, torch.float32)
-    # A: prompt then decodes; B: prefill in two chunks, the second beside decodes; C:
-    # prompt then decodes. B's 13 tokens pass Gemma 2's window of 6.
-    steps = [[("A", 0, 7), ("B", 0, 6), ("C", 0, 5)],
-             [("B", 6, 13), ("C", 5, 6), ("A", 7, 8)],
-             [("C", 6, 7), ("A", 8, 9)],
-             [("C", 7, 8)]]
-    reference = {name: hf_logits(hf, toks) for name, toks in seqs.items()}
-    assert not torch.allclose(reference["A"][5], reference["A"][6], atol=1e-2)
-    for step in steps:
-        logits = _run(loaded, kv, builder, [(n, seqs[n][s:e], s) for n, s, e in step])
-        expected = torch.cat([reference[n][s:e] for n, s, e in step])
-        assert logits.dtype == torch.float32
-        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    check_mixed_batches_match_hf(*tiny)
 
 
 def test_bf16_tracks_hf_bf16(tiny):
@@ -82,7 +57,7 @@ def test_bf16_tracks_hf_bf16(tiny):
     toks = list(range(1000, 1012))
     builder = PagedBatchBuilder(block_size=4, num_blocks=8)
     kv = builder.new_kv_caches(loaded, torch.bfloat16)
-    logits = _run(loaded, kv, builder, [("S", toks, 0)])
+    logits = run_chunks(loaded, kv, builder, [("S", toks, 0)])
     expected = hf_logits(hf, toks)
     # Equally valid bf16 roundings (the attention kernels differ from HF's eager).
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
@@ -219,8 +194,8 @@ def test_llama_folder_gives_native_tokens(tmp_path):
     for impl, model in loaded.items():
         builder = PagedBatchBuilder(block_size=4, num_blocks=16)
         kv = builder.new_kv_caches(model, torch.float32)
-        _run(model, kv, builder, [("A", list(range(100, 109)), 0), ("B", list(range(7, 12)), 0)])
-        results[impl] = _run(model, kv, builder, [("A", [5], 9), ("B", list(range(12, 15)), 5)])
+        run_chunks(model, kv, builder, [("A", list(range(100, 109)), 0), ("B", list(range(7, 12)), 0)])
+        results[impl] = run_chunks(model, kv, builder, [("A", [5], 9), ("B", list(range(12, 15)), 5)])
     torch.testing.assert_close(results["transformers"], results["native"], atol=1e-4, rtol=1e-4)
 
 
