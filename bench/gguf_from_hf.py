@@ -1,37 +1,44 @@
-"""An HF Llama folder -> a GGUF file llama.cpp loads (F32, BF16, Q8_0 or Q4_0): the llama
-architecture metadata, the byte-level BPE tokenizer, and the weights in llama.cpp's layout.
+"""An HF folder -> a GGUF file llama.cpp loads (F32, BF16, Q8_0, Q4_0 or Q4_1): the family's
+metadata, the byte-level BPE tokenizer, and the weights in llama.cpp's layout, for Llama,
+Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 (the per-family facts: bench/gguf_arch.py).
 A small counterpart of llama.cpp's convert_hf_to_gguf.py for the folders
-bench/make_model.py writes (needs gguf, numpy, safetensors and torch; not the engine).
+bench/make_model.py and testing/ write (needs gguf, numpy, safetensors and torch; not the engine).
 
   python -m bench.gguf_from_hf HF_DIR OUT.gguf --type q8_0
 
-As llama.cpp's converter does it: q and k rows are permuted per head for llama.cpp's
-interleaved RoPE, 1-D tensors (the norms) stay F32 whatever the type, a tied lm_head is
-left out (llama.cpp reads token_embd instead), and llama3 rope scaling travels as the
-rope_freqs tensor (llama.cpp divides each frequency by it). Unlike llama-quantize, every
-matrix, token_embd included, gets the one type asked for: the gguf package has no Q6_K
-quantizer, and one type per file keeps the comparison plain.
+As llama.cpp's converter does it: tensors are named by the gguf package's TensorNameMap
+(Phi-3's fused qkv_proj and gate_up_proj stay fused, as attn_qkv and ffn_up), Llama's q and
+k rows are permuted per head for llama.cpp's interleaved RoPE, Gemma's norms are stored as
+1 + w, 1-D tensors (the norms) stay F32 whatever the type, a tied lm_head is left out
+(llama.cpp reads token_embd instead), llama3 rope scaling travels as the rope_freqs tensor
+and Phi-3's longrope as rope_factors_long/short. Unlike llama-quantize, every matrix,
+token_embd included, gets the one type asked for (F16 where its rows do not split into
+32-value blocks, as llama.cpp falls back): the gguf package has no Q6_K quantizer, and one
+type per file keeps the comparison plain.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGUFWriter, LlamaFileType, TokenType
+from gguf import GGML_QUANT_VERSION, MODEL_ARCH_NAMES, GGUFWriter, LlamaFileType, TokenType
 from gguf import GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES, get_tensor_name_map
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
+from bench.gguf_arch import Family, family_for, llama3_rope_factors  # noqa: F401 (re-exported)
+from bench.gguf_arch import kv_heads
+
 TYPES = {"f32": (QT.F32, LlamaFileType.ALL_F32), "bf16": (QT.BF16, LlamaFileType.MOSTLY_BF16),
-         "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0), "q4_0": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0)}
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-          "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+         "q8_0": (QT.Q8_0, LlamaFileType.MOSTLY_Q8_0), "q4_0": (QT.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+         "q4_1": (QT.Q4_1, LlamaFileType.MOSTLY_Q4_1)}
 _ROWS_PER_CHUNK = 4096  # quantize this many rows at a time: numpy's temporaries stay small
+_LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
 
 
 def permute_heads(w: np.ndarray, heads: int) -> np.ndarray:
@@ -39,67 +46,67 @@ def permute_heads(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def llama3_rope_factors(config: dict) -> np.ndarray:
-    """What llama.cpp divides each base frequency by for HF's llama3 rope_scaling."""
-    s, dim = config["rope_scaling"], _head_dim(config)
-    base = 1.0 / config.get("rope_theta", 10000.0) ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old = s["original_max_position_embeddings"]
-    out = []
-    for freq in base:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1.0)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return np.array(out, dtype=np.float32)
+def _order(hf_name: str) -> tuple:
+    """Embedding first, then layer by layer, then the rest (file order; readers do not care)."""
+    layer = _LAYER_RE.search(hf_name)
+    if layer:
+        return (1, int(layer.group(1)), hf_name)
+    return (0 if "embed_tokens" in hf_name else 2, 0, hf_name)
 
 
-def _head_dim(config: dict) -> int:
-    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-
-
-def _plan(model_dir: Path, config: dict) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
+def _plan(model_dir: Path, config: dict, family: Family
+          ) -> list[tuple[str, tuple[int, ...], Callable[[], np.ndarray]]]:
     """(GGUF name, numpy shape, loader of the float32 values) for every tensor, in file
     order; loading waits until the tensor is written, so one tensor is in memory at a time."""
     from safetensors import safe_open
 
-    handle = safe_open(str(next(model_dir.glob("*.safetensors"))), framework="pt")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors")
+    handles = {}
+    for f in files:
+        handle = safe_open(str(f), framework="pt")
+        handles.update({name: handle for name in handle.keys()})
+    names = get_tensor_name_map(family.arch, config["num_hidden_layers"])
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": kv_heads(config)}
+    tied = bool(config.get("tie_word_embeddings", False))
+    plan = []
+    for hf_name in sorted(handles, key=_order):
+        if hf_name == "lm_head.weight" and (tied or family.drop_lm_head):
+            continue  # llama.cpp reads token_embd as the output
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_base = names.get_name(base)
+        if gguf_base is None:
+            raise ValueError(f"{hf_name}: no GGUF name for {MODEL_ARCH_NAMES[family.arch]}")
+        kind = gguf_base.rpartition(".")[2]
+        permute = heads[kind] if family.permute_qk and kind in heads else 0
+        shift = family.norm_shift if hf_name.endswith("norm.weight") else 0.0
 
-    def load(hf_name: str, heads: int = 0) -> Callable[[], np.ndarray]:
-        def values() -> np.ndarray:
-            w = handle.get_tensor(hf_name).float().numpy()
-            return permute_heads(w, heads) if heads else w
-        return values
+        def values(hf_name=hf_name, permute=permute, shift=shift) -> np.ndarray:
+            w = handles[hf_name].get_tensor(hf_name).float().numpy()
+            w = permute_heads(w, permute) if permute else w
+            return w + np.float32(shift) if shift else w  # float32 sum, as llama.cpp's
 
-    def shape(hf_name: str) -> tuple[int, ...]:
-        return tuple(handle.get_slice(hf_name).get_shape())
-
-    plan = [("token_embd.weight", shape("model.embed_tokens.weight"), load("model.embed_tokens.weight"))]
-    for i in range(config["num_hidden_layers"]):
-        for hf, ours in _LAYER.items():
-            name = f"model.layers.{i}.{hf}.weight"
-            heads = {"attn_q": config["num_attention_heads"],
-                     "attn_k": config.get("num_key_value_heads") or config["num_attention_heads"]}
-            plan.append((f"blk.{i}.{ours}.weight", shape(name), load(name, heads.get(ours, 0))))
-    plan.append(("output_norm.weight", shape("model.norm.weight"), load("model.norm.weight")))
-    if not config.get("tie_word_embeddings", False):
-        plan.append(("output.weight", shape("lm_head.weight"), load("lm_head.weight")))
-    scaling = config.get("rope_scaling") or {}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3":
-        factors = llama3_rope_factors(config)
-        plan.append(("rope_freqs.weight", factors.shape, lambda: factors))
-    elif scaling:
-        raise ValueError(f"rope_scaling {scaling} has no GGUF form here (llama3 only)")
+        shape = tuple(handles[hf_name].get_slice(hf_name).get_shape())
+        plan.append((f"{gguf_base}.{suffix}", shape, values))
+    for tensor, value in family.extra(config):
+        plan.append((tensor, value.shape, lambda value=value: value))
     return plan
 
 
+def _tensor_type(shape: tuple[int, ...], qtype: QT) -> QT:
+    if len(shape) == 1:
+        return QT.F32
+    if qtype in (QT.F32, QT.BF16):
+        return qtype
+    block, _ = GGML_QUANT_SIZES[qtype]
+    # Rows that do not split into blocks: F16, llama.cpp's converter's fallback.
+    return qtype if shape[-1] % block == 0 else QT.F16
+
+
 def _encode(values: np.ndarray, qtype: QT) -> np.ndarray:
-    if qtype == QT.F32:
-        return values.astype(np.float32, copy=False)
+    if qtype in (QT.F32, QT.F16):
+        return values.astype(np.float32 if qtype == QT.F32 else np.float16, copy=False)
     return np.concatenate([quantize(values[i:i + _ROWS_PER_CHUNK], qtype)
                            for i in range(0, values.shape[0], _ROWS_PER_CHUNK)])
 
@@ -138,23 +145,12 @@ def _tokenizer(model_dir: Path) -> Iterator[tuple[str, object]]:
 def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16", name: str = "") -> Path:
     model_dir, out = Path(model_dir), Path(out)
     config = json.loads((model_dir / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        raise ValueError(f"model_type {config.get('model_type')!r}: only llama is converted here")
+    family = family_for(config)
     qtype, file_type = TYPES[kind]
-    w = GGUFWriter(out, "llama")
+    plan = _plan(model_dir, config, family)  # refuses what has no GGUF form before writing
+    w = GGUFWriter(out, MODEL_ARCH_NAMES[family.arch])
     w.add_name(name or model_dir.name)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config["max_position_embeddings"])
-    w.add_embedding_length(config["hidden_size"])
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(config["num_attention_heads"])
-    w.add_head_count_kv(config.get("num_key_value_heads") or config["num_attention_heads"])
-    w.add_key_length(_head_dim(config))
-    w.add_value_length(_head_dim(config))
-    w.add_rope_dimension_count(_head_dim(config))
-    w.add_rope_freq_base(config.get("rope_theta", 10000.0))
-    w.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    w.add_vocab_size(config["vocab_size"])
+    family.metadata(w, config)
     w.add_file_type(int(file_type))
     if qtype not in (QT.F32, QT.BF16):
         w.add_quantization_version(GGML_QUANT_VERSION)
@@ -177,12 +173,12 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16", name:
     if "unk" in tokenizer:
         w.add_unk_token_id(tokenizer["unk"])
 
-    plan = _plan(model_dir, config)
-    types = [QT.F32 if len(shape) == 1 else qtype for _, shape, _ in plan]
+    types = [_tensor_type(shape, qtype) for _, shape, _ in plan]
     # Tensor infos first, data after: each tensor is read, encoded and written in turn.
     for (tensor, shape, _), t in zip(plan, types):
-        if t == QT.F32:
-            w.add_tensor_info(tensor, shape, np.dtype(np.float32), 4 * math.prod(shape))
+        if t in (QT.F32, QT.F16):
+            dtype = np.dtype(np.float32 if t == QT.F32 else np.float16)
+            w.add_tensor_info(tensor, shape, dtype, dtype.itemsize * math.prod(shape))
         else:
             byte_shape = quant_shape_to_byte_shape(shape, t)
             w.add_tensor_info(tensor, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=t)

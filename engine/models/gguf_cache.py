@@ -1,7 +1,11 @@
 """GGUF -> HF safetensors folder conversion, cached per user so only the first start pays.
 
 transformers dequantizes GGUF weights to fp32 and parses the metadata slowly (~20 s for the
-135M default); the saved folder reloads in about a second.
+135M default); the saved folder reloads in about a second. Its GGUF reader (4.57) leaves some
+of what llama.cpp's files say unread and takes its config class's defaults instead: Qwen3's
+head_dim, Gemma's soft-capping, Phi-3's longrope factors and original context, Gemma 3's
+rope scaling, and what llama.cpp derives rather than reads (Gemma's attention scale). The
+config is completed from the file before the weights load (_completed_config).
 """
 from __future__ import annotations
 
@@ -14,8 +18,15 @@ from pathlib import Path
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so stale cached folders are not reused.
-_CONVERSION_VERSION = 2
+_CONVERSION_VERSION = 3
 _DONE_MARKER = ".complete"
+# GGUF architectures transformers' reader gained late (the project's floor may be below):
+# the first version that converts them.
+_READER_SINCE = {"gemma3": "4.52", "qwen3": "4.54"}
+# llama.cpp's Gemma constants (bench/gguf_arch.py has the writer's side of them): the
+# 27B sizes, which it recognises by layer count, scale attention by 1/sqrt(hidden / heads)
+# rather than 1/sqrt(head_dim).
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
 def cache_root() -> Path:
@@ -77,12 +88,16 @@ def converted_dir_for(gguf: str | os.PathLike) -> Path:
 
 def _convert(gguf: Path, out: Path) -> None:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    _restore_gguf_specials(tokenizer, gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, torch_dtype=torch.float32)
+    fields = _Metadata(gguf)
+    _check_reader(fields)
+    tokenizer = _tokenizer(gguf, fields)
+    _restore_gguf_specials(tokenizer, fields)
+    config = _completed_config(gguf, fields)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config,
+                                                 torch_dtype=torch.float32)
     # save_pretrained refuses quantized models; the weights are already dequantized.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -93,19 +108,134 @@ def _convert(gguf: Path, out: Path) -> None:
         model.generation_config.save_pretrained(out)
 
 
-def _restore_gguf_specials(tokenizer, gguf: Path) -> None:
+class _Metadata:
+    """The file's metadata by key, each value read when first asked for (the token lists
+    are large, and only a GPT-2 BPE file's are needed), and its 1-D tensors by name (Phi-3's
+    rope factors complete the config)."""
+
+    def __init__(self, gguf: Path) -> None:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf))
+        self._fields = reader.fields
+        self.tensors = {t.name: t for t in reader.tensors if len(t.shape) == 1}
+
+    def get(self, key: str, default=None):
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def __getitem__(self, key: str):
+        return self._fields[key].contents()
+
+
+def _check_reader(fields: _Metadata) -> None:
+    """A clear error where the installed transformers cannot read the architecture (it
+    would fail later on a missing key or a shape)."""
+    import transformers
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    arch = fields.get("general.architecture")
+    if arch in GGUF_CONFIG_MAPPING:
+        return
+    since = _READER_SINCE.get(arch)
+    need = f"transformers >= {since}" if since else "a transformers whose GGUF reader knows it"
+    raise ValueError(f"model: GGUF architecture {arch!r} needs {need} to convert; "
+                     f"transformers {transformers.__version__} is installed")
+
+
+def _completed_config(gguf: Path, fields: _Metadata):
+    """transformers' config for the file, with what its reader leaves at the class's
+    defaults taken from the file as llama.cpp reads it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    arch = fields["general.architecture"]
+
+    def key(suffix: str):
+        return fields.get(f"{arch}.{suffix}")
+
+    updates: dict = {}
+    if key("attention.key_length") and hasattr(config, "head_dim"):
+        updates["head_dim"] = int(key("attention.key_length"))
+    head_dim = updates.get("head_dim") or getattr(config, "head_dim", None) or \
+        config.hidden_size // config.num_attention_heads
+    original = key("rope.scaling.original_context_length")
+    scaling = key("rope.scaling.type")
+    if scaling in ("linear", "yarn") and key("rope.scaling.factor"):
+        rope = {"rope_type": scaling, "factor": float(key("rope.scaling.factor"))}
+        if scaling == "yarn":
+            rope["original_max_position_embeddings"] = int(original)
+        updates["rope_scaling"] = rope
+    if arch in ("gemma2", "gemma3"):
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if hasattr(config, name):
+                # Absent means none (llama.cpp's 0); Gemma 2's config defaults are 50 and 30.
+                value = key(name)
+                updates[name] = float(value) if value else None
+        if key("attention.sliding_window"):  # transformers 4.51 leaves Gemma 2's unread
+            updates["sliding_window"] = int(key("attention.sliding_window"))
+        layers, heads = config.num_hidden_layers, config.num_attention_heads
+        updates["query_pre_attn_scalar"] = (config.hidden_size // heads
+                                            if layers == _GEMMA_27B_LAYERS[arch] else head_dim)
+    if arch == "phi3":
+        if original:
+            updates["original_max_position_embeddings"] = int(original)
+        if key("rope.dimension_count"):
+            updates["partial_rotary_factor"] = int(key("rope.dimension_count")) / head_dim
+        updates["sliding_window"] = int(key("attention.sliding_window") or 0) or None
+        tensors = fields.tensors
+        if "rope_factors_long.weight" in tensors:
+            updates["rope_scaling"] = {
+                "type": "longrope",
+                "long_factor": [float(x) for x in tensors["rope_factors_long.weight"].data],
+                "short_factor": [float(x) for x in tensors["rope_factors_short.weight"].data]}
+    updates = {k: v for k, v in updates.items() if getattr(config, k, None) != v}
+    if not updates:
+        return config
+    # Rebuilt rather than set: the config class validates (Phi-3's longrope lengths).
+    return type(config).from_dict({**config.to_dict(), **updates})
+
+
+def _tokenizer(gguf: Path, fields: _Metadata):
+    """transformers picks its GGUF tokenizer converter by architecture, assuming the family's
+    own vocabulary (SentencePiece for Gemma and Phi-3, Qwen's split for Qwen3). A file that
+    says it holds GPT-2's byte-level BPE with GPT-2's split gets exactly that instead."""
+    from transformers import AutoTokenizer
+
+    if (fields.get("tokenizer.ggml.model"), fields.get("tokenizer.ggml.pre")) != ("gpt2", "gpt-2"):
+        return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    types = list(fields.get("tokenizer.ggml.token_type") or [])
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    # Added tokens are matched whole: CONTROL ones (3) as specials, USER_DEFINED (4) as text.
+    added = {kind: [AddedToken(tokens[i], special=kind == 3, normalized=False)
+                    for i, k in enumerate(types) if k == kind] for kind in (3, 4)}
+    backend.add_special_tokens(added[3])
+    backend.add_tokens(added[4])
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    if fields.get("tokenizer.ggml.add_bos_token") and bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], int(bos))])
+    named = {f"{role}_token": tokens[int(fields[f"tokenizer.ggml.{role}_token_id"])]
+             for role in ("bos", "eos", "unk", "pad")
+             if fields.get(f"tokenizer.ggml.{role}_token_id") is not None}
+    return PreTrainedTokenizerFast(tokenizer_object=backend,
+                                   chat_template=fields.get("tokenizer.chat_template"),
+                                   clean_up_tokenization_spaces=False, **named)
+
+
+def _restore_gguf_specials(tokenizer, fields: _Metadata) -> None:
     """transformers' GGUF tokenizer conversion (4.57) names <|im_start|> as EOS and turns on
     BOS insertion for SmolLM2, contrary to the file's own metadata; take them from the file."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(gguf)).fields
-
-    def meta(key: str):
-        field = fields.get(key)
-        return None if field is None else field.contents()
-
-    eos, bos = meta("tokenizer.ggml.eos_token_id"), meta("tokenizer.ggml.bos_token_id")
-    add_bos = meta("tokenizer.ggml.add_bos_token")
+    eos, bos = fields.get("tokenizer.ggml.eos_token_id"), fields.get("tokenizer.ggml.bos_token_id")
+    add_bos = fields.get("tokenizer.ggml.add_bos_token")
     if eos is not None:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(int(eos))
     if bos is not None:

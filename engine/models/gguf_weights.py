@@ -1,11 +1,17 @@
-"""The quantized tensors of a GGUF file, named and shaped for our Llama-family model
-(quantization="gguf"): the weights stay in the file's blocks, see kernels/cpu/gguf_weight.py.
+"""The quantized tensors of a GGUF file, named and shaped for our Llama-family models
+(Llama, Qwen2/3, Gemma 2/3, Phi-3; quantization="gguf"): the weights stay in the file's
+blocks, see kernels/cpu/gguf_weight.py. Only the matrices of our fused linear layers and the
+embedding / output tables are taken; the small tensors (norms, Qwen3's and Gemma 3's q/k
+norms, Gemma's post-norms, rope factors) stay with the dense weights of the converted
+folder, which transformers read from the same file (Gemma's 1 + w undone there).
 
 GGUF stores Llama's q and k projections with the rows of each head interleaved (llama.cpp's
-converter permutes them for its RoPE); which order a file uses is read off the data: the
-dequantized rows are compared with the dense weights loaded from the same file, both
-orders tried. Tensors in formats the kernel lacks (F32, F16, K-quants) leave their layer
-dense, and so does a fused layer whose parts differ in format.
+converter permutes them for its RoPE; Qwen3, Gemma and Phi-3 keep HF's order); which order a
+file uses is read off the data: the dequantized rows are compared with the dense weights
+loaded from the same file, both orders tried. Phi-3's checkpoint comes fused and llama.cpp
+keeps it so: attn_qkv holds q, k, v rows and ffn_up gate then up rows, our own layouts.
+Tensors in formats the kernel lacks (F32, F16, K-quants) leave their layer dense, and so
+does a fused layer whose parts differ in format.
 """
 from __future__ import annotations
 
@@ -20,11 +26,14 @@ from kernels.dispatch import GGUF_FORMATS, GgufWeight
 
 logger = logging.getLogger(__name__)
 
-# GGUF per-layer tensor -> (our module, position among the fused parts)
-_LAYER_TENSORS = {"attn_q": ("self_attn.qkv_proj", 0), "attn_k": ("self_attn.qkv_proj", 1),
-                  "attn_v": ("self_attn.qkv_proj", 2), "attn_output": ("self_attn.o_proj", 0),
-                  "ffn_gate": ("mlp.gate_up_proj", 0), "ffn_up": ("mlp.gate_up_proj", 1),
-                  "ffn_down": ("mlp.down_proj", 0)}
+# Our fused module -> the GGUF per-layer tensors that make it, in row order, one tuple per
+# layout a file may use: split parts (llama.cpp's usual) or the checkpoint's own fusion
+# (Phi-3's attn_qkv; its ffn_up holds gate then up, what llama.cpp's SwiGLU splits in two).
+_MODULES = {"self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)),
+            "self_attn.o_proj": (("attn_output",),),
+            "mlp.gate_up_proj": (("ffn_gate", "ffn_up"), ("ffn_up",)),
+            "mlp.down_proj": (("ffn_down",),)}
+_KINDS = {kind for layouts in _MODULES.values() for layout in layouts for kind in layout}
 
 
 def _head_rows_order(num_heads: int, rows: int) -> torch.Tensor:
@@ -37,11 +46,14 @@ def _head_rows_order(num_heads: int, rows: int) -> torch.Tensor:
     return (h + 2 * i + half).reshape(-1)
 
 
-def _matching_order(weight: GgufWeight, dense: torch.Tensor, num_heads: int,
-                    name: str) -> GgufWeight:
-    """The weight in HF's row order, whichever order the file used (decided on the first
-    head's rows: dequantizing whole tables twice per layer would double the load time)."""
-    head_dim = weight.out_features // num_heads
+def _section_order(weight: GgufWeight, dense: torch.Tensor, start: int, num_heads: int,
+                   name: str) -> torch.Tensor | None:
+    """Rows start .. start + len(dense) of `weight` (q's or k's heads) in HF's row order:
+    None where the file already has it, else the index into `weight` that restores it
+    (decided on the first head's rows: dequantizing whole tables twice per layer would
+    double the load time)."""
+    rows = dense.shape[0]
+    head_dim = rows // num_heads
     dense = dense[:head_dim]
     # The dense copy was rounded to the model's dtype: round ours the same way, and allow
     # one unit in its last place where float32 rounding put a value on the other side of
@@ -51,14 +63,34 @@ def _matching_order(weight: GgufWeight, dense: torch.Tensor, num_heads: int,
     dtype = dense.dtype
     dense = dense.float()
     tolerance = 1e-3 * float(dense.abs().max()) + 1e-6 + torch.finfo(dtype).eps * dense.abs()
-    permuted = _head_rows_order(num_heads, weight.out_features)
+    permuted = start + _head_rows_order(num_heads, rows)
     for order in (None, permuted):
-        first_head = weight.dequantize(None if order is None else order[:head_dim])[:head_dim]
-        first_head = first_head.to(dtype).float()
+        pick = torch.arange(start, start + head_dim) if order is None else order[:head_dim]
+        first_head = weight.dequantize(pick).to(dtype).float()
         if bool(((first_head - dense).abs() <= tolerance).all()):
-            return weight if order is None else weight.select_rows(order)
+            return order
     raise ValueError(f"quantization: {name} in the GGUF file matches neither row order of "
                      "the dense weights loaded from it")
+
+
+def _matching_order(weight: GgufWeight, dense: torch.Tensor, num_heads: int,
+                    name: str) -> GgufWeight:
+    """The weight (one projection's rows) in HF's row order, whichever order the file used."""
+    order = _section_order(weight, dense, 0, num_heads, name)
+    return weight if order is None else weight.select_rows(order)
+
+
+def _qkv_in_hf_order(weight: GgufWeight, dense: torch.Tensor, sizes: tuple[int, ...],
+                     heads: tuple[int, int], name: str) -> GgufWeight:
+    """The fused q/k/v table with q's and k's rows each in HF's order."""
+    pieces, start = [], 0
+    for size, count in zip(sizes, (*heads, 0)):
+        order = (_section_order(weight, dense[start:start + size], start, count, f"{name} rows "
+                                f"{start}..{start + size}") if count else None)
+        pieces.append(torch.arange(start, start + size) if order is None else order)
+        start += size
+    index = torch.cat(pieces)
+    return weight if torch.equal(index, torch.arange(start)) else weight.select_rows(index)
 
 
 def _tensor(reader_tensor) -> tuple[str, GgufWeight] | None:
@@ -73,13 +105,14 @@ def _tensor(reader_tensor) -> tuple[str, GgufWeight] | None:
 
 def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
     """Module name -> quantized weight for every layer the file lets us keep quantized.
-    `model`: our LlamaForCausalLM with its dense weights loaded (for the q/k row order)."""
+    `model`: our LlamaForCausalLM (or a subclass) with its dense weights loaded (for the
+    q/k row order and the fused layers' sizes)."""
     from gguf import GGUFReader
 
     config = model.config
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-    parts: dict[str, dict[int, GgufWeight]] = {}
+    layers: dict[int, dict[str, tuple[str, GgufWeight | None]]] = {}
     dense_left: list[str] = []
     result: dict[str, GgufWeight] = {}
     for t in GGUFReader(str(path)).tensors:
@@ -95,32 +128,36 @@ def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
             continue
         prefix, _, rest = t.name.partition(".")
         layer, _, kind = rest.partition(".")
-        if prefix != "blk" or kind.removesuffix(".weight") not in _LAYER_TENSORS:
-            continue
-        module, position = _LAYER_TENSORS[kind.removesuffix(".weight")]
-        name = f"model.layers.{int(layer)}.{module}"
+        kind = kind.removesuffix(".weight")
+        if prefix != "blk" or kind not in _KINDS:
+            continue  # norms, biases, rope factors: the dense path's
         if found is None:
             dense_left.append(f"{t.name} ({t.tensor_type.name})")
-            parts.setdefault(name, {})[position] = None
-            continue
-        weight = found[1]
-        if kind.startswith(("attn_q", "attn_k")):
+        layers.setdefault(int(layer), {})[kind] = (t.name, None if found is None else found[1])
+    for layer, tensors in sorted(layers.items()):
+        for module, layouts in _MODULES.items():
+            # The first layout whose parts the file has: split gate and up before a lone
+            # ffn_up, which then holds both.
+            layout = next((kinds for kinds in layouts if all(k in tensors for k in kinds)), None)
+            if layout is None:
+                continue
+            name = f"model.layers.{layer}.{module}"
+            parts = [tensors[k][1] for k in layout]
+            if any(p is None for p in parts):
+                continue
+            if len({(p.type_name, p.in_features) for p in parts}) > 1:
+                dense_left.append(f"{name} (parts in different formats)")
+                continue
+            weight = GgufWeight.concat(parts) if len(parts) > 1 else parts[0]
             dense = model.get_submodule(name).dense_weight()
-            sizes = model._shard_sizes("qkv_proj")
-            start = sum(sizes[:position])
-            heads = num_heads if position == 0 else num_kv_heads
-            weight = _matching_order(weight, dense[start:start + sizes[position]], heads, t.name)
-        parts.setdefault(name, {})[position] = weight
-    for name, pieces in parts.items():
-        module = name.split(".", 3)[3]
-        count = 1 + max(pos for mod, pos in _LAYER_TENSORS.values() if mod == module)
-        ordered = [pieces.get(i) for i in range(count)]
-        if any(p is None for p in ordered):
-            continue
-        if len({(p.type_name, p.in_features) for p in ordered}) > 1:
-            dense_left.append(f"{name} (parts in different formats)")
-            continue
-        result[name] = GgufWeight.concat(ordered) if len(ordered) > 1 else ordered[0]
+            if (weight.out_features, weight.in_features) != tuple(dense.shape):
+                raise ValueError(f"quantization: {' + '.join(tensors[k][0] for k in layout)} "
+                                 f"in the GGUF file is {weight.out_features}x"
+                                 f"{weight.in_features}, {name} {tuple(dense.shape)}")
+            if module == "self_attn.qkv_proj":
+                weight = _qkv_in_hf_order(weight, dense, model._shard_sizes("qkv_proj"),
+                                          (num_heads, num_kv_heads), name)
+            result[name] = weight
     if dense_left:
         logger.info("quantization gguf: %d tensors stay dense (formats without a kernel), "
                     "e.g. %s", len(dense_left), ", ".join(dense_left[:3]))
