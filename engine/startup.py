@@ -127,7 +127,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         # Also called by the backend on Triton's execute thread (see GrammarCompiler).
         grammar_compiler = GrammarCompiler(loaded.tokenizer, loaded.vocab_size,
                                            tuple(loaded.eos_token_ids))
-        trace = open_trace(config, loaded)
+        trace = open_trace(config, loaded, layout)
     except BaseException:
         if tensor_parallel is not None:
             tensor_parallel.close()
@@ -143,7 +143,9 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                        threads, tensor_parallel, lora)
 
 
-def open_trace(config: EngineConfig, loaded) -> TraceRecorder | NullTrace:
+def open_trace(config: EngineConfig, loaded, layout) -> TraceRecorder | NullTrace:
+    """`layout`: the KV-cache groups the scheduler runs (their windows go in the header, so
+    tuning/replay.py replays the same groups and sizes blocks as the engine does)."""
     if config.trace_path is None:
         return NullTrace()
     sched, cache = config.scheduler, config.cache
@@ -151,6 +153,7 @@ def open_trace(config: EngineConfig, loaded) -> TraceRecorder | NullTrace:
             "quantization": config.quantization}
     header = {"block_size": cache.block_size, "model": str(loaded.model_dir),
               "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
+              "kv_layer_windows": list(layout.layer_windows),
               "dtype": str(loaded.dtype).removeprefix("torch."),
               "host": detect_cpu().describe(), "engine_args": args}
     try:

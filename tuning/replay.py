@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from engine.config import CacheConfig, SchedulerConfig
+from engine.core.kv_cache.groups import KVCacheLayout, build_layout
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
@@ -31,6 +32,13 @@ from tuning.trace_file import Trace, read_trace
 
 _FIELDS = {cls: {f.name: f for f in dataclasses.fields(cls)}
            for cls in (SchedulerConfig, CacheConfig)}
+
+
+def kv_layout_of(trace: Trace) -> KVCacheLayout | None:
+    """The recorded model's KV-cache groups (its layers' windows, engine/core/kv_cache/
+    groups.py); None for a trace recorded before the header carried them: one full group."""
+    windows = trace.header.get("kv_layer_windows")
+    return build_layout(windows) if windows else None
 
 
 def configs(trace: Trace, overrides: dict[str, Any]) -> tuple[SchedulerConfig, CacheConfig]:
@@ -45,17 +53,25 @@ def configs(trace: Trace, overrides: dict[str, Any]) -> tuple[SchedulerConfig, C
                   for name, f in fields.items() if name in args}
         built.append(cls(**values))
     sched, cache = built
+    layout = kv_layout_of(trace)
     if "num_kv_blocks" not in overrides and ("kv_cache_memory_bytes" in overrides
                                              or "block_size" in overrides):
-        # The pool's bytes stay (or are what was given); blocks follow from them.
+        # The pool's bytes stay (or are what was given); blocks follow from them. A block
+        # holds group_size layers' K/V (all layers with one group), as the engine sizes it.
+        per_token = trace.header["kv_bytes_per_token"]
+        if layout is not None:
+            per_token = per_token // layout.num_layers * layout.group_size
         pool = cache.kv_cache_memory_bytes or (trace.engine_args["num_kv_blocks"]
-                                               * trace.engine_args["block_size"]
-                                               * trace.header["kv_bytes_per_token"])
-        per_block = trace.header["kv_bytes_per_token"] * cache.block_size
-        cache = dataclasses.replace(cache, num_kv_blocks=int(pool // per_block))
+                                               * trace.engine_args["block_size"] * per_token)
+        cache = dataclasses.replace(cache, num_kv_blocks=int(pool // (per_token * cache.block_size)))
     # As the engine refuses at start-up: a pool that cannot hold one request of
-    # max_model_len could leave a request waiting forever.
-    needed = -(-sched.max_model_len // cache.block_size)
+    # max_model_len could leave a request waiting forever. Windowed groups hold only
+    # their window's blocks, so the engine's peak rule, not max_model_len's blocks.
+    if layout is None:
+        needed = -(-sched.max_model_len // cache.block_size)
+    else:
+        needed = layout.peak_blocks(sched.max_model_len, cache.block_size,
+                                    sched.max_num_batched_tokens)
     if cache.num_kv_blocks - cache.watermark_blocks < needed:
         raise ValueError(f"{cache.num_kv_blocks} blocks of {cache.block_size} tokens cannot hold "
                          f"one request of max_model_len={sched.max_model_len}")
@@ -174,7 +190,7 @@ def record_request_counts(requests: dict[str, Request], results: dict[str, Reque
 def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = None,
            max_steps: int = 5_000_000) -> Summary:
     sched_cfg, cache_cfg = configs(trace, overrides or {})
-    scheduler = Scheduler(sched_cfg, cache_cfg)
+    scheduler = Scheduler(sched_cfg, cache_cfg, kv_layout=kv_layout_of(trace))
     records = trace.requests
     prompts = synthetic_prompts(trace)
     results: dict[str, RequestResult] = {}

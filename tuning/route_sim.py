@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 
 from engine.config import CacheConfig, SchedulerConfig
 from engine.core.kv_cache import BlockHasher, external_hash
+from engine.core.kv_cache.groups import KVCacheLayout
 from engine.core.kv_cache.publisher import encode_batch
 from engine.core.request import Request
 from engine.sampling_params import SamplingParams
 from engine.core.scheduler import Scheduler
 from engine.metrics.trace import step_features
 from tuning.kv_index import KVEventIndex
-from tuning.replay import (RequestResult, Summary, finish_step, record_request_counts,
-                           start_step, summarize)
+from tuning.replay import (RequestResult, Summary, finish_step, kv_layout_of,
+                           record_request_counts, start_step, summarize)
 from tuning.step_model import StepModel
 
 POLICIES = ("round_robin", "least_loaded", "kv_aware")
@@ -95,9 +96,12 @@ class Router:
 
 
 def simulate(requests: list[SimRequest], num_replicas: int, policy: str, model: StepModel,
-             sched_cfg: SchedulerConfig, cache_cfg: CacheConfig) -> Summary:
+             sched_cfg: SchedulerConfig, cache_cfg: CacheConfig,
+             kv_layout: KVCacheLayout | None = None) -> Summary:
+    """`kv_layout`: the model's KV-cache groups (None: one full-attention group)."""
     cache_cfg = dataclasses.replace(cache_cfg, prefix_caching_hash_algo="sha256_cbor")
-    replicas = [Replica(Scheduler(sched_cfg, cache_cfg, enable_kv_events=True))
+    replicas = [Replica(Scheduler(sched_cfg, cache_cfg, enable_kv_events=True,
+                                  kv_layout=kv_layout))
                 for _ in range(num_replicas)]
     router = Router(policy, replicas, cache_cfg.block_size)
     deliveries: list[tuple[float, int, int, bytes]] = []  # (time, replica, seq, payload)
@@ -204,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
                     for p in plan(spec, vocab_size=32_000)]
         for policy in args.policies:
             print(_row(policy, replicas, simulate(workload, replicas, policy, model,
-                                                  sched_cfg, cache_cfg)), flush=True)
+                                                  sched_cfg, cache_cfg, kv_layout_of(trace))),
+                  flush=True)
 
 
 if __name__ == "__main__":

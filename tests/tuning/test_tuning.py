@@ -9,7 +9,8 @@ import pytest
 from engine import LLMEngine, SamplingParams
 from engine.config import EngineConfig
 from testing.tiny_model import make_tiny_model_dir
-from tuning.replay import measured, replay, synthetic_prompts
+from engine.core.scheduler import Scheduler
+from tuning.replay import configs, kv_layout_of, measured, replay, synthetic_prompts
 from tuning.step_model import FEATURES, StepModel, fit, held_out_error, step_durations
 from tuning.trace_file import Trace, read_trace
 
@@ -144,12 +145,50 @@ def test_replay_follows_the_settings_it_is_given():
         replay(trace, CONSTANT, {"max_num_seq": "4"})
 
 
+def test_replay_sizes_and_allocates_as_the_recorded_kv_groups():
+    """A trace of a hybrid model (windowed and full layers) replays on the same KV-cache
+    groups: a block holds group_size layers (twice the blocks of the same bytes as one
+    full group of 4 layers), admission counts every group's blocks, and blocks behind the
+    window are freed during the run."""
+    windows = [8, None, 8, None]
+    full = synthetic_trace(num_kv_blocks=20)
+    hybrid = synthetic_trace(num_kv_blocks=20)
+    hybrid.header["kv_layer_windows"] = windows
+    pool = {"kv_cache_memory_bytes": str(20 * 4 * 1024)}
+    assert configs(full, pool)[1].num_kv_blocks == 20
+    assert configs(hybrid, pool)[1].num_kv_blocks == 40
+    # max_model_len 64 in blocks of 4: 16 for the full group, 16 more for the windowed
+    # one (a 64-token chunk spans the whole request): 20 blocks serve the full layout only.
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        configs(hybrid, {})
+    assert kv_layout_of(full) is None and kv_layout_of(hybrid).num_groups == 2
+    peaks = []
+    original = Scheduler.schedule
+
+    def schedule(self):
+        out = original(self)
+        pool = self.kv_cache_manager.block_pool
+        peaks.append(pool.num_blocks - pool.num_free_blocks)
+        return out
+
+    roomy = synthetic_trace(num_kv_blocks=64, max_num_batched_tokens=8)
+    roomy.header["kv_layer_windows"] = windows
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Scheduler, "schedule", schedule)
+        result = replay(roomy, CONSTANT, {"max_num_seqs": "1"})
+    assert result.requests == 6 and result.preemptions == 0
+    # One 28-token request at a time: 7 full-group blocks + at most 4 windowed ones
+    # ((8 + 8 - 2) // 4 + 2): more than one group's 7, under the 14 of two unwindowed.
+    assert 7 < max(peaks) <= 11
+
+
 def test_replay_of_a_recorded_trace_matches_its_work(tiny, tmp_path):
     """Under the recorded settings the replay schedules the same work: the same requests,
     output tokens and prefix hits (times are compared by the benchmark, not here)."""
     path = tmp_path / "trace.jsonl"
     record(tiny, path)
     trace = read_trace(path)
+    assert trace.header["kv_layer_windows"] == [None] * 2  # the tiny Llama: one full group
     model = fit(step_durations(trace)) if len(trace.steps) > 5 else CONSTANT
     predicted, actual = replay(trace, model), measured(trace)
     assert predicted.requests == actual.requests
