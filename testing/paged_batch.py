@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 
 @dataclass(slots=True)
@@ -76,21 +75,31 @@ def make_paged_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
         max_seq_len=max(seq_lens, default=0))
 
 
-def dense_attention(batch: PagedBatch) -> torch.Tensor:
-    """float32 [T, H, D] from plain SDPA on each sequence's unpaged K/V."""
-    num_heads = batch.query.shape[1]
-    out = torch.zeros(batch.query.shape, dtype=torch.float32, device=batch.query.device)
+def dense_attention(batch: PagedBatch, window: int | None = None, soft_cap: float | None = None,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[T, H, D] in `dtype`, computed in float64 from the definitions on each sequence's
+    unpaged K/V: causal, a query at position p sees keys p - window + 1 .. p when a window
+    is given (HF's and vLLM's rule), scores s -> soft_cap * tanh(s / soft_cap) after
+    scaling when a cap is (Gemma 2's)."""
+    query = batch.query.cpu().double()
+    num_heads = query.shape[1]
+    out = torch.zeros(query.shape, dtype=torch.float64)
     starts = batch.query_start_loc.tolist()
     for seq, seq_len in enumerate(batch.seq_lens.tolist()):
         start, end = starts[seq], starts[seq + 1]
         if end == start:
             continue
         group = num_heads // batch.keys[seq].shape[1]
-        q = batch.query[start:end].float().transpose(0, 1)
-        k = batch.keys[seq].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        v = batch.values[seq].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        positions = torch.arange(seq_len - (end - start), seq_len, device=q.device)
-        allowed = torch.arange(seq_len, device=q.device)[None, :] <= positions[:, None]
-        out[start:end] = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=allowed, scale=batch.scale).transpose(0, 1)
-    return out
+        keys = batch.keys[seq].cpu().double().repeat_interleave(group, dim=1)
+        values = batch.values[seq].cpu().double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end], keys) * batch.scale
+        if soft_cap is not None:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
+        query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        key_pos = torch.arange(seq_len)[None, :]
+        allowed = key_pos <= query_pos
+        if window is not None:
+            allowed &= key_pos >= query_pos - window + 1
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+    return out.to(device=batch.query.device, dtype=dtype)

@@ -1,15 +1,14 @@
 """Paged batches whose freed blocks hold NaN, and a dense float64 reference of windowed,
 soft-capped attention, for the window / soft-cap tests of every attention path.
 
-The reference is written from the definitions (HF's and vLLM's window: a query at position
-p sees keys p - W + 1 .. p; Gemma 2's cap: s -> c * tanh(s / c) after scaling), on each
-sequence's unpaged K/V, sharing nothing with kernels/.
+The reference is testing/paged_batch.py's dense_attention in float64: written from the
+definitions on each sequence's unpaged K/V, sharing nothing with kernels/.
 """
 from __future__ import annotations
 
 import torch
 
-from testing.paged_batch import PagedBatch, make_paged_batch
+from testing.paged_batch import PagedBatch, dense_attention, make_paged_batch
 
 
 def windowed_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
@@ -46,29 +45,8 @@ def windowed_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
 
 
 def reference(batch: PagedBatch, window: int | None, soft_cap: float | None) -> torch.Tensor:
-    """float64 [T, H, D]: each sequence's chunk against its unpaged K/V, dense."""
-    query = batch.query.cpu().double()
-    num_heads = query.shape[1]
-    out = torch.zeros(query.shape, dtype=torch.float64)
-    starts = batch.query_start_loc.tolist()
-    for seq, seq_len in enumerate(batch.seq_lens.tolist()):
-        start, end = starts[seq], starts[seq + 1]
-        if end == start:
-            continue
-        group = num_heads // batch.keys[seq].shape[1]
-        keys = batch.keys[seq].cpu().double().repeat_interleave(group, dim=1)
-        values = batch.values[seq].cpu().double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", query[start:end], keys) * batch.scale
-        if soft_cap is not None:
-            scores = soft_cap * torch.tanh(scores / soft_cap)
-        query_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
-        key_pos = torch.arange(seq_len)[None, :]
-        allowed = key_pos <= query_pos
-        if window is not None:
-            allowed &= key_pos >= query_pos - window + 1
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
-    return out
+    """float64 [T, H, D]: each sequence's chunk against its unpaged K/V, dense, on CPU."""
+    return dense_attention(batch, window, soft_cap, torch.float64).cpu()
 
 
 def assert_matches(got: torch.Tensor, batch: PagedBatch, window: int | None,
