@@ -10,8 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Callable, Mapping
 
 from backend.model_json import ALLOW_RUNTIME_LORA_UPDATING, ModelJson
-from engine.config import EngineConfig
-from engine.values import convert
+from engine.api import EngineConfig, convert
 
 
 @dataclass(slots=True)

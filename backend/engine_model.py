@@ -22,7 +22,7 @@ from backend.model_json import read_model_json
 from backend.multi_lora import read_multi_lora, resolve_lora_name
 from backend.request_parsing import InvalidRequest
 from backend.response_worker import ResponseWorker
-from engine.faults import take_fault_parameters
+from engine.api import take_fault_parameters
 
 
 class EngineModel:
@@ -52,7 +52,7 @@ class EngineModel:
                                                          required=not runtime), runtime)
                              if engine_config.lora.enable_lora else None)
         self.input_names = triton_io.input_names(config)
-        from engine import LLMEngine  # heavy (torch); after the cheap checks
+        from engine.api import LLMEngine  # heavy (torch); after the cheap checks
 
         started = time.monotonic()
         metrics = (TritonMetrics(self.model_name, args["model_version"],

@@ -8,9 +8,7 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.metrics import FinishedRequest, StepMetrics
-from engine.lora.request import LoRARequest
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.api import LoRARequest, RequestOutput, SamplingParams
 
 
 @dataclass(slots=True)

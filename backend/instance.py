@@ -9,7 +9,7 @@ import dataclasses
 import re
 from typing import Any
 
-from engine.config import EngineConfig
+from engine.api import EngineConfig
 
 _TRAILING_INDEX = re.compile(r"_(\d+)$")
 

@@ -12,7 +12,7 @@ from typing import Callable
 import numpy as np
 
 from backend.request_parsing import LLMRequest
-from engine.outputs import Logprob, RequestOutput
+from engine.api import Logprob, RequestOutput
 
 
 @dataclass(slots=True)

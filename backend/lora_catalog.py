@@ -10,7 +10,7 @@ from typing import Mapping
 
 from backend.model_json import ALLOW_RUNTIME_LORA_UPDATING
 from backend.multi_lora import resolve_lora_name
-from engine.lora.request import LoRARequest
+from engine.api import LoRARequest
 
 
 class LoRACatalog:

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from backend import vllm_engine_args as vllm
-from engine.config import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig
-from engine.values import to_bool
+from engine.api import CacheConfig, EngineConfig, LoRAConfig, SchedulerConfig, to_bool
 
 FILE_NAME = "model.json"
 ALLOW_RUNTIME_LORA_UPDATING = "allow_runtime_lora_updating"

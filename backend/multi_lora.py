@@ -1,13 +1,13 @@
 """multi_lora.json, vllm_backend's map of adapter names to PEFT folders, in the model's
 version folder beside model.json; and the lora_name a request sends, resolved against it.
-Pure Python (engine.lora.request is torch-free)."""
+Pure Python (engine.api imports without torch)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 from typing import Mapping
 
-from engine.lora.request import LoRARequest
+from engine.api import LoRARequest
 
 FILE_NAME = "multi_lora.json"
 

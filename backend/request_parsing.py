@@ -15,12 +15,8 @@ from typing import Any, Mapping
 import numpy as np
 
 from backend.json_text import dotted, find_lone_surrogate
-from engine.config.generation import SamplingDefaults
-from engine.core.fair_share import check_tenant
-from engine.sampling_params import RequestOutputKind, SamplingParams
-from engine.sampling_params import StructuredOutputsParams
-from engine.structured_output.grammar import GrammarCompiler
-from engine.values import convert
+from engine.api import (GrammarCompiler, RequestOutputKind, SamplingDefaults, SamplingParams,
+                        StructuredOutputsParams, check_tenant, convert)
 
 
 class InvalidRequest(ValueError):

@@ -12,8 +12,7 @@ import numpy as np
 
 from backend.request_parsing import (InvalidRequest, decode_text, parse_lora_name, parse_priority,
                                      parse_tenant, scalar, stream_output_kind, to_bool)
-from engine.config.generation import SamplingDefaults
-from engine.sampling_params import SamplingParams
+from engine.api import SamplingDefaults, SamplingParams
 
 
 @dataclass(slots=True)

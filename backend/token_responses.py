@@ -18,8 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.token_request_parsing import TokenRequest
-from engine.output.detokenizer import CONTEXT_TOKENS
-from engine.outputs import RequestOutput
+from engine.api import CONTEXT_TOKENS, RequestOutput
 
 
 def decode_ids(tokenizer: Any, ids: list[int]) -> str:

@@ -15,7 +15,7 @@ from backend import triton_io
 from backend.request_parsing import InvalidRequest, decode_text
 from backend.token_responses import decode_after, decode_ids
 from backend.tokenizer_source import tokenizer_source
-from engine.models import load_tokenizer
+from engine.api import load_tokenizer
 
 
 class _TokenizerModel:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from engine.values import convert
+from engine.api import convert
 
 DEFAULT_ENGINE_MODEL = "tensorrt_llm"
 _KEYS = ("engine_model", "tokenizer")

@@ -1,24 +1,20 @@
-"""A vLLM-style LLM engine: continuous batching scheduler, paged KV cache, torch model."""
-from engine.config import CacheConfig, EngineConfig, SchedulerConfig
-from engine.core.request import Request, RequestStatus
-from engine.lora.request import LoRARequest
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.sampling_params import SamplingParams
-from engine.core.sched_output import SchedulerOutput, SchedulerStats
-from engine.core.scheduler import Scheduler
+"""A vLLM-style LLM engine: continuous batching scheduler, paged KV cache, torch model.
 
-__all__ = ["CacheConfig", "CompletionOutput", "EngineConfig", "LLM", "LLMEngine", "LoRARequest",
-           "Request", "RequestOutput", "RequestStatus", "SamplingParams", "Scheduler", "SchedulerConfig",
-           "SchedulerOutput", "SchedulerStats"]
+The package's top level is engine.api, re-exported whole: one list of public names, so
+`from engine import LLM, SamplingParams` and `from engine.api import ...` name the same
+objects and cannot drift apart."""
+from engine import api
+
+__all__ = api.__all__
+
+# Not `from engine.api import *`: a star import fetches every name in __all__, which would
+# resolve the lazy ones (torch) the moment anything under engine/ is imported.
+globals().update({name: getattr(api, name) for name in __all__ if name not in api._LAZY})
 
 
 def __getattr__(name: str):
-    # The model-backed classes pull in torch and transformers; the scheduler alone
-    # must stay importable (and fast to import) without them.
-    if name == "LLMEngine":
-        from engine.llm_engine import LLMEngine
-        return LLMEngine
-    if name == "LLM":
-        from engine.llm import LLM
-        return LLM
-    raise AttributeError(name)
+    # LLMEngine, LLM and the model-file helpers: engine.api resolves them on first use,
+    # so the scheduler stays importable (and fast to import) without torch.
+    if name in api._LAZY:
+        return api.__getattr__(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -15,7 +15,7 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 def default_tokenizer_path() -> Path:
     """The embedded SmolLM2's tokenizer folder, found as the engine finds it (the GGUF's
     converted folder in the user's cache; converted on first use, nothing downloaded)."""
-    from engine.models.model_files import tokenizer_dir
+    from engine.api import tokenizer_dir
 
     return tokenizer_dir(None)
 

@@ -328,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     prepare_server_dir()
     # Convert a GGUF (the embedded default included) once here, otherwise every model
     # process converts it at once on first start; a bad --model fails before the server.
-    from engine.models import resolve_model_dir
+    from engine.api import resolve_model_dir
     try:
         resolve_model_dir(args.model)
     except (OSError, ValueError) as exc:

@@ -20,13 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache.groups import KVCacheLayout, build_layout
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.metrics.trace import step_features
-from engine.values import convert
+from engine.api import (CacheConfig, KVCacheLayout, Request, SamplingParams, Scheduler,
+                        SchedulerConfig, build_layout, convert, step_features)
 from tuning.step_model import StepModel, held_out_error, step_durations
 from tuning.trace_file import Trace, read_trace
 

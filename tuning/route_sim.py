@@ -24,14 +24,8 @@ import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
-from engine.config import CacheConfig, SchedulerConfig
-from engine.core.kv_cache import BlockHasher, external_hash
-from engine.core.kv_cache.groups import KVCacheLayout
-from engine.core.kv_cache.publisher import encode_batch
-from engine.core.request import Request
-from engine.sampling_params import SamplingParams
-from engine.core.scheduler import Scheduler
-from engine.metrics.trace import step_features
+from engine.api import (BlockHasher, CacheConfig, KVCacheLayout, Request, SamplingParams,
+                        Scheduler, SchedulerConfig, encode_batch, external_hash, step_features)
 from tuning.kv_index import KVEventIndex
 from tuning.replay import (RequestResult, Summary, finish_step, kv_layout_of,
                            record_request_counts, start_step, summarize)

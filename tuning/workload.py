@@ -64,7 +64,7 @@ def plan(spec: WorkloadSpec, vocab_size: int) -> list[PlannedRequest]:
 
 def drive(engine, planned: list[PlannedRequest]) -> float:
     """Add each request at its time, step while anything is unfinished; returns seconds."""
-    from engine import SamplingParams
+    from engine.api import SamplingParams
     start = time.monotonic()
     index = 0
     while index < len(planned) or engine.has_unfinished_requests():
@@ -92,8 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="an engine argument (repeatable), e.g. max_num_seqs=16")
     args = parser.parse_args(argv)
-    from engine import LLMEngine
-    from engine.config import EngineConfig
+    from engine.api import EngineConfig, LLMEngine
     spec = WorkloadSpec(**{name: getattr(args, name) for name in WorkloadSpec.__dataclass_fields__})
     engine_args = dict(item.split("=", 1) for item in args.set)
     engine = LLMEngine(EngineConfig.from_dict({"trace_path": args.out, **engine_args}))

@@ -1,7 +1,8 @@
 """engine.core and engine.output import and schedule without torch: in a child process where
 `import torch` fails (this session imported torch long ago, in conftest.py), every module
 of both packages is imported, the top-level scheduling names are taken from `engine`, and
-one request is scheduled and given a token."""
+one request is scheduled and given a token. engine.api, the surface backend/ and tuning/
+import, holds every public name but the lazy ones (LLM, LLMEngine, model files) there too."""
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,9 @@ for name in sorted(names):
     importlib.import_module(name)
 
 from engine import CacheConfig, Request, SamplingParams, Scheduler, SchedulerConfig, SchedulerOutput
+import engine.api
+eager = set(engine.api.__all__) - set(engine.api._LAZY)
+assert eager and eager <= set(vars(engine.api)), eager - set(vars(engine.api))
 
 scheduler = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(num_kv_blocks=8, block_size=4))
 scheduler.add_request(Request("r", [1, 2, 3, 4, 5], SamplingParams(max_tokens=2)))
