@@ -50,6 +50,14 @@ _ARCH_DEFAULTS = {
                           original_max_position_embeddings=64, partial_rotary_factor=0.75,
                           rope_scaling={"type": "longrope", "short_factor": _SHORT_FACTORS,
                                         "long_factor": _LONG_FACTORS}),
+    # 8 experts, top 2: a short prompt already leaves some experts without a token.
+    "mixtral": dict(tie_word_embeddings=False, num_local_experts=8, num_experts_per_tok=2,
+                    intermediate_size=32),
+    # Layer 0 MoE, layer 1 dense (mlp_only_layers) with its own intermediate_size; the k
+    # routing weights left unnormalised (HF's default, not the real 30B-A3B's).
+    "qwen3-moe": dict(tie_word_embeddings=False, head_dim=32, num_experts=8,
+                      num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+                      mlp_only_layers=[1], norm_topk_prob=False),
 }
 
 
@@ -64,7 +72,9 @@ def _hf_classes(arch: str):
             # Text-only Gemma 3 (model_type gemma3_text), as google/gemma-3-1b ships.
             "gemma3": (tf.Gemma3TextConfig, tf.Gemma3ForCausalLM),
             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
-            "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM)}[arch]
+            "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM),
+            "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
+            "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):

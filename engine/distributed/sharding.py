@@ -6,7 +6,12 @@ own MLP columns, no communication), O and down are row-parallel (each rank multi
 slice of the input features, one all-reduce sums the partial outputs). The embedding and
 lm_head are vocab-parallel: each rank holds a contiguous slice of the vocabulary rows;
 embedding rows outside it are zero and the all-reduce fills them in, logits are gathered
-as column blocks. Every rank ends up with the full hidden state after each layer."""
+as column blocks. Every rank ends up with the full hidden state after each layer.
+
+A mixture-of-experts block (engine/models/moe.py) is sharded as its experts' MLPs: each
+rank keeps the same intermediate columns of every expert (w13's gate and up rows, w2's
+input columns) and the whole router, so every rank routes every token alike; the block
+all-reduces its partial sums."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +23,7 @@ from torch import nn
 
 from engine.models.attention import PagedAttention
 from engine.models.layers import Embedding, Linear
+from engine.models.moe import FusedMoE
 from engine.distributed.group import ParallelGroup
 
 
@@ -74,6 +80,8 @@ def check_shardable(hf_config, world_size: int) -> None:
     num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_shard(num_heads, num_kv, world_size, 0)
     even_slice(hf_config.intermediate_size, world_size, 0, "intermediate_size")
+    if getattr(hf_config, "moe_intermediate_size", None):  # Qwen3-MoE's experts
+        even_slice(hf_config.moe_intermediate_size, world_size, 0, "moe_intermediate_size")
 
 
 class RowParallelLinear(Linear):
@@ -144,7 +152,10 @@ def shard_model(net: nn.Module, group: ParallelGroup,
     heads = head_shard(first.num_heads, first.num_kv_heads, world, rank)
     for layer in model.layers:
         _shard_attention(layer.self_attn, heads, group)
-        _shard_mlp(layer.mlp, group)
+        if isinstance(layer.mlp, FusedMoE):
+            _shard_experts(layer.mlp, group)
+        else:
+            _shard_mlp(layer.mlp, group)
     _shard_vocab(net, group)
     model.fused_single_decode = False  # its native plan runs the whole, unsharded layer
     net.prepack(batch_invariant)
@@ -182,6 +193,22 @@ def _shard_mlp(mlp: nn.Module, group: ParallelGroup) -> None:
         gate_up.bias = _param(torch.cat([gate_up.bias[a:b] for a, b in rows]))
     mlp.down_proj = RowParallelLinear(mlp.down_proj, start, end, group)
     mlp.intermediate_size = end - start
+
+
+def _shard_experts(moe: FusedMoE, group: ParallelGroup) -> None:
+    inter = moe.intermediate_size
+    start, end = even_slice(inter, group.world_size, group.rank, "experts' intermediate size")
+    # Each expert's rows are [gate | up], as a dense gate_up_proj's.
+    moe.w13 = _param(torch.cat([moe.w13[:, start:end], moe.w13[:, inter + start:inter + end]],
+                               dim=1))
+    if moe.w13_bias is not None:
+        moe.w13_bias = _param(torch.cat([moe.w13_bias[:, start:end],
+                                         moe.w13_bias[:, inter + start:inter + end]], dim=1))
+    moe.w2 = _param(moe.w2[:, :, start:end])
+    if not group.is_driver:  # the output bias is added once, on rank 0, as RowParallelLinear's
+        moe.w2_bias = None
+    moe.intermediate_size = end - start
+    moe.reduce_group = group
 
 
 def _shard_vocab(net: nn.Module, group: ParallelGroup) -> None:

@@ -106,13 +106,17 @@ class LlamaDecoderLayer(nn.Module):
     attention_class = LlamaAttention
 
     def __init__(self, config, spec: ArchSpec, rotary: RotaryEmbedding, dtype: torch.dtype,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, layer_index: int = 0) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype)
         self.self_attn = self.attention_class(config, spec, rotary, dtype, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, dtype)
+        self.mlp = self.build_mlp(config, spec, dtype, layer_index)
+
+    def build_mlp(self, config, spec: ArchSpec, dtype: torch.dtype, layer_index: int) -> nn.Module:
+        """The feed-forward block; MoE families pick theirs by layer (engine/models/moe.py)."""
+        return SwiGLUMLP(config.hidden_size, config.intermediate_size, spec.mlp_bias, dtype)
 
     def forward(self, cos_sin: CosSin, x: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: KVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,8 +136,8 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config, dtype)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, dtype)
         self.embed_quantized: GgufWeight | None = None
-        self.layers = nn.ModuleList(self.layer_class(config, spec, self.rotary, dtype, window)
-                                    for window in model_windows(config))
+        self.layers = nn.ModuleList(self.layer_class(config, spec, self.rotary, dtype, window, i)
+                                    for i, window in enumerate(model_windows(config)))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         # One sequence decoding runs all layers in one native call where it applies
         # (engine/models/single_decode.py); False keeps the layer-by-layer path.

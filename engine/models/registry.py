@@ -16,6 +16,8 @@ NATIVE_MODELS: dict[str, str] = {
     "Gemma2ForCausalLM": "engine.models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
+    "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

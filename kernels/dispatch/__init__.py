@@ -47,6 +47,7 @@ from kernels.dispatch.matmul import (BF16_TILES_MIN_ROWS, DENSE_ROWS_MAX,  # noq
                                      bf16_panels_preferred, build_matmul_primitives,
                                      decode_step_plan, dense_linear_rows, gate_up_silu,
                                      invariant_linear, linear, prepare_linear, unpack_linear)
+from kernels.dispatch.moe import ExpertWeights, fused_moe  # noqa: F401
 from kernels.gguf_weight import FORMATS as GGUF_FORMATS  # noqa: F401
 from kernels.gguf_weight import GgufWeight  # noqa: F401
 from kernels.linear_weight import LinearWeight  # noqa: F401

@@ -1,6 +1,8 @@
 """bench/make_model.py: its tiny shape gives the engine and HF transformers the same greedy
 tokens, and its GGUF files hold the same weights and tokenizer in llama.cpp's layout (read
-back with the gguf package, and with transformers, which undoes llama.cpp's layout)."""
+back with the gguf package, and with transformers, which undoes llama.cpp's layout). The
+MoE shapes: their models' parameter counts and HF's tensors, and scaled-down folders cut
+by `layers` that HF and the engine read alike."""
 import json
 import math
 
@@ -13,7 +15,7 @@ from gguf.quants import dequantize
 from safetensors.torch import load_file
 
 from bench.gguf_from_hf import llama3_rope_factors, permute_heads
-from bench.make_model import SHAPES, make_model, weight_shapes
+from bench.make_model import SHAPES, config_for, make_model, weight_shapes
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there lived a",
            "1, 2, 3, 4,", "def main():\n    print("]
@@ -137,3 +139,76 @@ def test_gguf_convert_widens_bf16_to_f32_for_an_f32_engine(tiny, tmp_path):
         old = before[t.name]
         np.testing.assert_array_equal(np.asarray(t.data).reshape(-1),
                                       dequantize(old.data, old.tensor_type).reshape(-1), err_msg=t.name)
+
+
+# ---- the mixture-of-experts shapes ------------------------------------------------------
+def test_moe_shapes_have_their_models_parameter_counts():
+    from engine.models import default_model_dir
+
+    def count(config):
+        return sum(math.prod(s) for s in weight_shapes(config).values())
+
+    qwen = config_for("qwen3-30b-a3b", default_model_dir())
+    experts = sum(math.prod(s) for n, s in weight_shapes(qwen).items() if ".experts." in n)
+    active = count(qwen) - experts + experts * 8 // 128  # top 8 of 128
+    # Its model card: 30.5B in total, 3.3B activated (3.35B here: the card cuts, not rounds).
+    assert round(count(qwen) / 1e8) == 305 and 3.3e9 <= active < 3.4e9
+    # Mixtral-8x7B's exact count, at its own vocabulary (the shape pads it to the tokenizer's).
+    mixtral = {**config_for("mixtral-8x7b", default_model_dir()), "vocab_size": 32000}
+    assert count(mixtral) == 46_702_792_704
+
+
+@pytest.mark.parametrize("shape", ["qwen3-30b-a3b", "mixtral-8x7b"])
+def test_moe_shapes_are_what_transformers_builds_from_the_config(shape):
+    """Cut to 2 layers (--layers): the names and shapes HF's model has, on the meta device."""
+    from engine.models import default_model_dir
+    from tests.bench.test_make_model_families import _hf_model_on_meta
+
+    config = config_for(shape, default_model_dir(), layers=2)
+    assert config["num_hidden_layers"] == 2
+    model = _hf_model_on_meta(config)
+    assert type(model).__name__ == config["architectures"][0]
+    assert weight_shapes(config) == {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+# Scaled-down Qwen3-MoE (layer 1 dense: mlp_only_layers; 3 layers, of which --layers keeps
+# 2) and Mixtral, written by make_model as the big shapes are.
+TINY_MOE = {
+    "qwen3-tiny-moe": dict(SHAPES["tiny"], num_hidden_layers=3, rope_scaling=None,
+                           tie_word_embeddings=False, num_experts=8, num_experts_per_tok=2,
+                           moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                           mlp_only_layers=[1]),
+    "mixtral-tiny": dict(SHAPES["tiny"], rope_scaling=None, num_local_experts=8,
+                         num_experts_per_tok=2, intermediate_size=32),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(TINY_MOE))
+def test_tiny_moe_folder_loads_in_hf_and_the_engine_with_the_same_greedy_tokens(
+        shape, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from engine import LLM, SamplingParams
+    from engine.models.moe import FusedMoE
+
+    monkeypatch.setitem(SHAPES, shape, TINY_MOE[shape])
+    with pytest.raises(ValueError, match="GGUF conversion here covers"):
+        make_model(shape, tmp_path / "refused", gguf=("bf16",))
+    assert not (tmp_path / "refused").exists()  # refused before writing anything
+    out = make_model(shape, tmp_path / shape, seed=0, layers=2)
+    hf, info = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32,
+                                                     output_loading_info=True)
+    assert not any(info.values()), info  # every tensor used, none missing
+    hf.eval().generation_config.eos_token_id = None
+    llm = LLM(str(out), dtype="float32", num_kv_blocks=256, block_size=16, max_model_len=512)
+    layers = llm.llm_engine.loaded.model.model.layers
+    assert [isinstance(layer.mlp, FusedMoE) for layer in layers] == \
+        ([True, False] if shape.startswith("qwen3") else [True, True])
+    ids = [llm.get_tokenizer().encode(p) for p in PROMPTS]
+    outs = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                        use_tqdm=False)
+    for prompt, o in zip(ids, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False,
+                               pad_token_id=0)
+        assert list(o.outputs[0].token_ids) == want[0, len(prompt):].tolist()
