@@ -173,8 +173,8 @@ def load_model(model: str | os.PathLike | None, dtype: torch.dtype | str | None 
     # config as a decoder's.
     model_class = model_class_for(config, model_impl)
     if quantization is not None and not getattr(model_class, "supports_quantization", True):
-        raise ValueError(f"quantization {quantization!r}: {config.architectures} runs on the "
-                         "general path (model_impl='transformers'), which takes no GGUF weights")
+        raise ValueError(f"quantization {quantization!r}: {config.architectures} runs as "
+                         f"{model_class.__name__}, which takes no GGUF weights")
     context = max_context(config, disable_sliding_window)
     if disable_sliding_window:
         # The models read their windows from the config (engine/config/sliding_window.py).
