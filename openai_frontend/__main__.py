@@ -41,8 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
                         help="tool_choice=auto: find calls in the text with --tool-call-parser")
     parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                        help="split a thinking model's <think>...</think> text into the "
-                             "message's reasoning_content (vLLM's parser names)")
+                        help="split a thinking model's reasoning into the message's "
+                             "reasoning_content: <think>...</think> (qwen3, deepseek_r1) or "
+                             "gpt-oss's harmony analysis channel (openai_gptoss); vLLM's names")
     parser.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                         help="LoRA adapters served as model ids (vLLM's flag: name=path or "
                              "JSON); each name must be one of the Triton model's "

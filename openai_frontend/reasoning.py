@@ -25,12 +25,23 @@ streamed one (tests/conformance/test_reasoning_vllm.py): deepseek_r1 keeps text 
 late <think> as reasoning (vLLM's whole answer drops it), qwen3 leaves a second </think>
 in the content (its whole answer drops it), and the prompt's closed reasoning counts for a
 whole answer too (vLLM's whole answer does not look at the prompt).
+
+openai_gptoss (gpt-oss) reads OpenAI's harmony messages instead of tags
+(openai_frontend/tool_parsers/harmony.py): `analysis` messages are reasoning, `final` and
+`commentary` preambles content, each field's messages joined by a newline (vLLM's whole
+answer; its stream runs them together). A tool call's message stays in the content as the
+model wrote it (ended by <|call|> if the next header ended it), where --tool-call-parser
+openai finds it, as qwen3 leaves <tool_call>. No enable_thinking switch and no look at the
+prompt: every harmony answer opens with its own channel header. A constrained request is
+all content here too.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+from openai_frontend.tool_parsers import harmony
 
 log = logging.getLogger("openai_frontend")
 
@@ -51,14 +62,36 @@ class _Grammar:
     boundaries: tuple[str, ...] = ()
     # Whether chat_template_kwargs' enable_thinking switches reasoning off.
     obeys_enable_thinking: bool = False
+    # Tokens a model of this family has in its vocabulary.
+    markers: ClassVar[tuple[str, ...]] = (THINK_START, THINK_END)
 
     @property
     def tags(self) -> tuple[str, ...]:
         return (THINK_START, *self.ends, *self.ends_kept)
 
+    def closed_by(self, prompt: str) -> bool:
+        return _prompt_closed_reasoning(self, prompt)
 
-PARSERS: dict[str, _Grammar] = {
+    def stream(self, thinking: bool) -> "ReasoningStream":
+        return ReasoningStream(self, thinking)
+
+
+@dataclass(frozen=True, slots=True)
+class _Harmony:
+    obeys_enable_thinking: ClassVar[bool] = False
+    markers: ClassVar[tuple[str, ...]] = (harmony.CHANNEL, harmony.MESSAGE)
+    tags: ClassVar[tuple[str, ...]] = harmony.TAGS
+
+    def closed_by(self, prompt: str) -> bool:
+        return False
+
+    def stream(self, thinking: bool) -> "HarmonyStream":
+        return HarmonyStream(thinking)
+
+
+PARSERS: dict[str, _Grammar | _Harmony] = {
     "deepseek_r1": _Grammar(),
+    "openai_gptoss": _Harmony(),
     "qwen3": _Grammar(ends_kept=(TOOL_CALL_START,), boundaries=QWEN3_TURN_BOUNDARIES,
                       obeys_enable_thinking=True),
 }
@@ -85,13 +118,14 @@ class ReasoningParser:
     @classmethod
     def for_tokenizer(cls, name: str, tokenizer: Any) -> "ReasoningParser":
         check_parser_name(name)
+        grammar = PARSERS[name]
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        if THINK_START not in vocab or THINK_END not in vocab:
+        if any(marker not in vocab for marker in grammar.markers):
             # vLLM refuses such a tokenizer; the text is split here, so it still works for a
             # model that spells the tags out, but it is most likely the wrong model.
-            log.warning("--reasoning-parser %s: the tokenizer has no %s / %s token; is this a "
-                        "reasoning model?", name, THINK_START, THINK_END)
-        return cls(name, bool(_special_tokens(tokenizer) & set(PARSERS[name].tags)))
+            log.warning("--reasoning-parser %s: the tokenizer has no %s token; is this a "
+                        "reasoning model?", name, " / ".join(grammar.markers))
+        return cls(name, bool(_special_tokens(tokenizer) & set(grammar.tags)))
 
     def plan(self, prompt: str, chat_template_kwargs: dict[str, Any] | None,
              constrained: bool = False) -> "ReasoningPlan":
@@ -103,17 +137,17 @@ class ReasoningParser:
         kwargs = chat_template_kwargs or {}
         thinking = not (grammar.obeys_enable_thinking and not kwargs.get("enable_thinking", True))
         return ReasoningPlan(grammar, thinking and not constrained
-                             and not _prompt_closed_reasoning(grammar, prompt))
+                             and not grammar.closed_by(prompt))
 
 
 @dataclass(frozen=True, slots=True)
 class ReasoningPlan:
     """One request's reading. `thinking` false: the whole output is content."""
-    grammar: _Grammar
+    grammar: _Grammar | _Harmony
     thinking: bool = True
 
-    def stream(self) -> "ReasoningStream":
-        return ReasoningStream(self.grammar, self.thinking)
+    def stream(self) -> "ReasoningStream | HarmonyStream":
+        return self.grammar.stream(self.thinking)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output, through the same stream a streamed answer
@@ -165,6 +199,41 @@ class ReasoningStream:
         # The output ended inside reasoning: a held-back "</thi" was reasoning after all.
         held, self._held = self._held, ""
         return held, ""
+
+
+class HarmonyStream:
+    """openai_gptoss's stream: the same feed / finish as ReasoningStream, over harmony
+    messages (the reader holds back unfinished headers and tags)."""
+
+    def __init__(self, thinking: bool = True) -> None:
+        self._reader = harmony.HarmonyReader() if thinking else None
+        # The message each field last took text from: a new one is set off by a newline.
+        self._last: dict[str, harmony.Message] = {}
+
+    def feed(self, text: str) -> tuple[str, str]:
+        if self._reader is None:
+            return "", text
+        return self._route(self._reader.feed(text))
+
+    def finish(self) -> tuple[str, str]:
+        if self._reader is None:
+            return "", ""
+        return self._route(self._reader.finish())
+
+    def _route(self, events: list[harmony.Event]) -> tuple[str, str]:
+        parts: dict[str, list[str]] = {harmony.REASONING: [], harmony.CONTENT: []}
+        for what, message, text in events:
+            if message.kind == harmony.TOOL_CALL:
+                # Passed on whole for the tool parser; a call the next header cut short is
+                # ended with <|call|> so that its arguments stop there.
+                parts[harmony.CONTENT].append(text if what != "close" else text or harmony.CALL)
+            elif message.kind in parts and what == "text":
+                last = self._last.get(message.kind)
+                if last is not None and last is not message:
+                    parts[message.kind].append("\n")
+                self._last[message.kind] = message
+                parts[message.kind].append(text)
+        return "".join(parts[harmony.REASONING]), "".join(parts[harmony.CONTENT])
 
 
 def _earliest(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str] | None:
