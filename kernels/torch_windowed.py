@@ -1,10 +1,14 @@
-"""Torch attention with a sliding window and/or logit soft-capping (Gemma 2/3, Mistral,
-Phi-3): the semantics every faster path of these two features is tested against, and
-what runs wherever such a path declines. kernels/torch_ops.py sends its calls here when
-either feature is set, so its own arithmetic (and bits) are unchanged without them.
+"""Torch attention with a sliding window, logit soft-capping and/or attention sinks
+(Gemma 2/3, Mistral, Phi-3, gpt-oss): the semantics every faster path of these features
+is tested against, and what runs wherever such a path declines. kernels/torch_ops.py
+sends its calls here when a window or a cap is set, so its own arithmetic (and bits) are
+unchanged without them; kernels.dispatch sends every call with sinks here.
 
 Window W: a query at position p sees keys p - W + 1 .. p (W keys, itself included).
 Soft cap c: each scaled logit s becomes c * tanh(s / c) before the softmax.
+Sinks [H] float32 (gpt-oss): head h's softmax takes one more logit, sinks[h] as it is
+(neither scaled nor capped), that has no value: out = sum_k p_k v_k with
+p_k = e^s_k / (e^sinks[h] + sum_j e^s_j), so the keys' weights sum to less than 1.
 
 Blocks wholly before every query's window may be freed while the request runs, their
 block-table entries pointing at a placeholder of garbage (NaN), so these never read them:
@@ -21,6 +25,15 @@ import torch.nn.functional as F
 _SCORES_BUDGET = 1 << 24
 # The fewest query rows a windowed prefill slice takes (one call per slice).
 _MIN_ROWS = 128
+
+
+def softmax(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax over the last dim, with one more logit per row when `sinks` (broadcast to
+    scores[..., :1]) is given, dropped from the result."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    joined = torch.cat([scores, sinks.float().expand(*scores.shape[:-1], 1)], dim=-1)
+    return torch.softmax(joined, dim=-1)[..., :-1]
 
 
 def soft_cap_(scores: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
@@ -44,7 +57,8 @@ def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                     sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+                     sliding_window: int | None = None, soft_cap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One query token per sequence (at position seq_len - 1): [N, H, D] -> [N, H, D]."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
@@ -74,13 +88,15 @@ def decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     scores = torch.matmul(queries, keys.float().permute(0, 2, 3, 1)).mul_(scale)
     soft_cap_(scores, soft_cap)
     scores.masked_fill_(~allowed[:, None, None, :], float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), values.float().transpose(1, 2))
+    head_sinks = None if sinks is None else sinks.view(1, num_kv_heads, group, 1)
+    out = torch.matmul(softmax(scores, head_sinks), values.float().transpose(1, 2))
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       block_table: torch.Tensor, seq_len: int, scale: float,
-                      sliding_window: int | None, soft_cap: float | None) -> torch.Tensor:
+                      sliding_window: int | None = None, soft_cap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One sequence's query chunk [Q, H, D], the last Q of its seq_len positions.
 
     In slices of query rows, each against the keys its rows see (the window's from the
@@ -98,9 +114,10 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     values = _gather(value_cache, block_ids[None])[0].reshape(-1, num_kv_heads, head_dim)
     keys, values = keys[skip:skip + seq_len - lowest], values[skip:skip + seq_len - lowest]
     # A window's worth of rows a slice (no fewer than _MIN_ROWS): each slice reads at most
-    # twice the keys its rows need. The soft-capped slices also keep their scores in budget.
+    # twice the keys its rows need. The slices that make their own scores (soft cap, sinks:
+    # SDPA takes neither) also keep them in budget.
     rows = query_len if sliding_window is None else max(_MIN_ROWS, sliding_window)
-    if soft_cap is not None:
+    if soft_cap is not None or sinks is not None:
         keys_seen = seq_len if sliding_window is None else rows + sliding_window
         rows = min(rows, max(1, _SCORES_BUDGET // (num_heads * keys_seen)))
     out = torch.empty_like(query)
@@ -115,17 +132,18 @@ def prefill_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
             allowed &= key_pos > query_pos - sliding_window
         out[start:end] = _attend(query[start:end], keys[key_lo - lowest:last + 1 - lowest],
                                  values[key_lo - lowest:last + 1 - lowest], allowed, scale,
-                                 soft_cap)
+                                 soft_cap, sinks)
     return out
 
 
 def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-            allowed: torch.Tensor, scale: float, soft_cap: float | None) -> torch.Tensor:
+            allowed: torch.Tensor, scale: float, soft_cap: float | None,
+            sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [Q, H, D] against keys/values [K, KVH, D] where allowed [Q, K] -> [Q, H, D]."""
     query_len, num_heads, head_dim = query.shape
     num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
-    if soft_cap is None:
+    if soft_cap is None and sinks is None:
         # SDPA's fused CPU kernel wants 4-D [batch, heads, len, dim] with every head's K/V.
         k = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]
         v = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
@@ -137,7 +155,8 @@ def _attend(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     scores = torch.matmul(q.reshape(num_kv_heads, -1, head_dim), keys.float().permute(1, 2, 0))
     scores = soft_cap_(scores.mul_(scale), soft_cap).view(num_kv_heads, query_len, group, -1)
     scores.masked_fill_(~allowed[:, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, query_len * group, -1)
+    head_sinks = None if sinks is None else sinks.view(num_kv_heads, 1, group, 1)
+    probs = softmax(scores, head_sinks).view(num_kv_heads, query_len * group, -1)
     out = torch.matmul(probs, values.float().transpose(0, 1))
     out = out.view(num_kv_heads, query_len, group, head_dim).permute(1, 0, 2, 3)
     return out.reshape(query_len, num_heads, head_dim).to(query.dtype)

@@ -76,11 +76,14 @@ def make_paged_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
 
 
 def dense_attention(batch: PagedBatch, window: int | None = None, soft_cap: float | None = None,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """[T, H, D] in `dtype`, computed in float64 from the definitions on each sequence's
     unpaged K/V: causal, a query at position p sees keys p - window + 1 .. p when a window
     is given (HF's and vLLM's rule), scores s -> soft_cap * tanh(s / soft_cap) after
-    scaling when a cap is (Gemma 2's)."""
+    scaling when a cap is (Gemma 2's). `sinks` [H] (gpt-oss): head h's softmax has one
+    more logit, sinks[h] as it is (neither scaled nor capped), with no value: its weight
+    only shrinks the keys' weights."""
     query = batch.query.cpu().double()
     num_heads = query.shape[1]
     out = torch.zeros(query.shape, dtype=torch.float64)
@@ -101,5 +104,10 @@ def dense_attention(batch: PagedBatch, window: int | None = None, soft_cap: floa
         if window is not None:
             allowed &= key_pos >= query_pos - window + 1
         scores = scores.masked_fill(~allowed, float("-inf"))
-        out[start:end] = torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), values)
+        if sinks is not None:
+            sink = sinks.cpu().double()[:, None, None].expand(-1, end - start, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values)
     return out.to(device=batch.query.device, dtype=dtype)

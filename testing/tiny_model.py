@@ -58,6 +58,15 @@ _ARCH_DEFAULTS = {
     "qwen3-moe": dict(tie_word_embeddings=False, head_dim=32, num_experts=8,
                       num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
                       mlp_only_layers=[1], norm_topk_prob=False),
+    # 8 experts, top 2; windowed, full, windowed (layer_types' default alternation) with
+    # a window shorter than the tests' prompts; YaRN stretching the wavelengths past 64
+    # positions 4x (real gpt-oss: 32x past 4,096), its cos/sin scaled by 1.14.
+    "gpt-oss": dict(tie_word_embeddings=False, head_dim=16, num_hidden_layers=3,
+                    num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    sliding_window=12, max_position_embeddings=256,
+                    rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                  "beta_slow": 1.0, "truncate": False,
+                                  "original_max_position_embeddings": 64}),
 }
 
 
@@ -74,7 +83,8 @@ def _hf_classes(arch: str):
             "phi3": (tf.Phi3Config, tf.Phi3ForCausalLM),
             "phi3-longrope": (tf.Phi3Config, tf.Phi3ForCausalLM),
             "mixtral": (tf.MixtralConfig, tf.MixtralForCausalLM),
-            "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM)}[arch]
+            "qwen3-moe": (tf.Qwen3MoeConfig, tf.Qwen3MoeForCausalLM),
+            "gpt-oss": (tf.GptOssConfig, tf.GptOssForCausalLM)}[arch]
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
@@ -118,6 +128,10 @@ def write_random_model(build, path: str | Path, seed: int = 0,
                     param.normal_(0.0, std)
                 elif "norm" in name:
                     param.add_(torch.randn_like(param) * 0.1)
+                elif name.endswith("sinks"):
+                    # gpt-oss's per-head attention sinks: HF draws them as small as the
+                    # weights; at the logits' scale instead, so each head's matters.
+                    param.normal_(0.0, 1.0)
     finally:
         torch.random.set_rng_state(generator_state)
     out = Path(path)

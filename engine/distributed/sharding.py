@@ -176,6 +176,9 @@ def _shard_attention(attn: nn.Module, heads: HeadShard, group: ParallelGroup) ->
     if qkv.bias is not None:
         qkv.bias = _param(torch.cat([qkv.bias[a:b] for a, b in pieces]))
     attn.o_proj = RowParallelLinear(attn.o_proj, q_rows[0], q_rows[1], group)
+    sinks = getattr(attn, "sinks", None)
+    if sinks is not None:  # one logit per query head (gpt-oss): the rank's heads' own
+        attn.sinks = _param(sinks[heads.q_start:heads.q_start + heads.num_heads])
     attn.num_heads, attn.num_kv_heads = heads.num_heads, heads.num_kv_heads
     local_q, local_kv = heads.num_heads * d, heads.num_kv_heads * d
     attn.split = (local_q, local_q + local_kv)

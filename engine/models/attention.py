@@ -53,15 +53,16 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
                 scale: float | None = None, sliding_window: int | None = None,
-                soft_cap: float | None = None) -> torch.Tensor:
+                soft_cap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] -> [T, H, D]. `scale` (None: head_dim ** -0.5),
-        `sliding_window` and `soft_cap` (kernels.dispatch.paged_attention's) come from the
-        model's attention module, which owns them: tensor-parallel sharding replaces this
-        module with a bare one for the rank's heads (engine/distributed/sharding.py)."""
+        `sliding_window`, `soft_cap` and `sinks` (kernels.dispatch.paged_attention's) come
+        from the model's attention module, which owns them: tensor-parallel sharding
+        replaces this module with a bare one for the rank's heads
+        (engine/distributed/sharding.py)."""
         key_cache, value_cache = kv_cache
         reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         return paged_attention(q, key_cache, value_cache, meta.block_tables,
                                meta.query_start_loc, meta.seq_lens,
                                self.scale if scale is None else scale,
                                meta.max_query_len, meta.max_seq_len, self.batch_invariant,
-                               sliding_window=sliding_window, soft_cap=soft_cap)
+                               sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks)

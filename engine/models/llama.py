@@ -71,6 +71,8 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.sliding_window = sliding_window
         self.soft_cap: float | None = None
+        # [num_heads] float32 attention sinks (gpt-oss); None: off.
+        self.sinks: nn.Parameter | None = None
         # Per-head norms of q and k before RoPE (Qwen3, Gemma 3); one weight [head_dim]
         # for every head, so they apply to any subset of heads (a tensor-parallel rank's).
         self.q_norm: nn.Module | None = None
@@ -89,7 +91,7 @@ class LlamaAttention(nn.Module):
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, k_end:].view(T, self.num_kv_heads, self.head_dim)
         out = self.attn.forward(q, k, v, kv_cache, meta, self.scale, self.sliding_window,
-                                self.soft_cap)
+                                self.soft_cap, self.sinks)
         return self.o_proj.forward(out.reshape(T, -1))
 
     def _normed_qk(self, qkv: torch.Tensor) -> torch.Tensor:

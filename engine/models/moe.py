@@ -1,5 +1,6 @@
 """The mixture-of-experts feed-forward block, and what loads its checkpoint tensors, for
-every MoE family (engine/models/mixtral.py, engine/models/qwen3_moe.py).
+every MoE family (engine/models/mixtral.py, engine/models/qwen3_moe.py,
+engine/models/gpt_oss.py).
 
 A block is a router GEMM ([num_experts, hidden], `gate`, HF's name), a routing rule that
 turns its logits into each token's top-k experts and their weights, and the experts,
@@ -51,6 +52,8 @@ def route(logits: torch.Tensor, top_k: int, rule: Routing) -> tuple[torch.Tensor
 
 # HF's per-expert tensors -> the part of the stack they fill.
 EXPERT_PARTS = ("gate", "up", "down")
+# ... and, in a block with expert biases (gpt-oss), their biases' parts.
+BIAS_PARTS = ("gate_bias", "up_bias", "down_bias")
 
 
 class FusedMoE(nn.Module):
@@ -81,16 +84,24 @@ class FusedMoE(nn.Module):
         out = dispatch.fused_moe(x, experts, weights, ids, self.activation)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
-    def expert_slice(self, expert: int, part: str) -> torch.Tensor:
-        """Where HF's [I, H] gate / up or [H, I] down weight of `expert` goes."""
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """The parts a checkpoint must fill for each expert."""
+        return EXPERT_PARTS + (BIAS_PARTS if self.w13_bias is not None else ())
+
+    def expert_slice(self, expert: int | slice, part: str) -> torch.Tensor:
+        """Where HF's [I, H] gate / up or [H, I] down weight of `expert` goes, or its [I]
+        gate / up or [H] down bias (a slice of experts: theirs, stacked)."""
         inter = self.intermediate_size
-        if part == "gate":
-            return self.w13.data[expert, :inter]
-        if part == "up":
-            return self.w13.data[expert, inter:]
-        if part == "down":
-            return self.w2.data[expert]
-        raise ValueError(f"expert part: expected one of {EXPERT_PARTS}, got {part!r}")
+        stacks = {"gate": (self.w13, slice(None, inter)), "up": (self.w13, slice(inter, None)),
+                  "down": (self.w2, slice(None)),
+                  "gate_bias": (self.w13_bias, slice(None, inter)),
+                  "up_bias": (self.w13_bias, slice(inter, None)),
+                  "down_bias": (self.w2_bias, slice(None))}
+        if part not in stacks or stacks[part][0] is None:
+            raise ValueError(f"expert part: expected one of {self.parts}, got {part!r}")
+        stack, rows = stacks[part]
+        return stack.data[expert, rows]
 
 
 class MoEForCausalLM(LlamaForCausalLM):
@@ -101,6 +112,11 @@ class MoEForCausalLM(LlamaForCausalLM):
     # "block_sparse_moe") and its experts' projection names -> EXPERT_PARTS.
     hf_moe_block = "mlp"
     hf_expert_parts: dict[str, str] = {}
+    # HF's router module under the block, loaded as our `gate` (gpt-oss: "router").
+    hf_router = "gate"
+    # HF tensors that hold a part of every expert at once, under {block}.experts (gpt-oss's
+    # gate_up_proj ...) -> the parts they fill; place_stacked copies them in.
+    hf_stacked_parts: dict[str, tuple[str, ...]] = {}
     # Neither path knows experts: LoRA wraps dense projections by name, GGUF quantizes
     # Linear layers only.
     supports_lora = False
@@ -116,15 +132,29 @@ class MoEForCausalLM(LlamaForCausalLM):
     def _place_experts(self, weights: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
         """Copies the expert tensors into the stacks as they stream past; yields the rest,
-        the MoE block renamed to ours, for llama.py's loader."""
+        the MoE block and its router renamed to ours, for llama.py's loader."""
         parts = "|".join(map(re.escape, self.hf_expert_parts))
         block = re.escape(self.hf_moe_block)
         expert_re = re.compile(rf"(model\.layers\.\d+)\.{block}\.experts\.(\d+)\.({parts})\.weight")
+        stacked = "|".join(map(re.escape, self.hf_stacked_parts))
+        stacked_re = re.compile(rf"(model\.layers\.\d+)\.{block}\.experts\.({stacked})")
         blocks = {name: m for name, m in self.named_modules() if isinstance(m, FusedMoE)}
         for name, tensor in weights:
+            match = stacked_re.fullmatch(name) if stacked else None
+            if match is not None:
+                module = f"{match.group(1)}.mlp"
+                moe = blocks.get(module)
+                if moe is None:
+                    raise ValueError(f"weights: unexpected tensor {name!r} for "
+                                     f"{type(self).__name__}")
+                self.place_stacked(moe, match.group(2), name, tensor)
+                self._experts_loaded.update((module, e, part) for e in range(moe.num_experts)
+                                            for part in self.hf_stacked_parts[match.group(2)])
+                continue
             match = expert_re.fullmatch(name)
             if match is None:
-                yield name.replace(f".{self.hf_moe_block}.", ".mlp."), tensor
+                name = name.replace(f".{self.hf_moe_block}.", ".mlp.")
+                yield name.replace(f".mlp.{self.hf_router}.", ".mlp.gate."), tensor
                 continue
             module = f"{match.group(1)}.mlp"
             moe, expert = blocks.get(module), int(match.group(2))
@@ -138,15 +168,21 @@ class MoEForCausalLM(LlamaForCausalLM):
             dest.copy_(tensor)
             self._experts_loaded.add((module, expert, part))
 
+    def place_stacked(self, moe: FusedMoE, hf_part: str, name: str, tensor: torch.Tensor) -> None:
+        """Copy `tensor`, HF's `hf_part` of every expert of `moe` (named `name`), into the
+        stacks; the family knows its layout. ValueError on a wrong shape."""
+        raise NotImplementedError(f"{type(self).__name__} loads no stacked expert tensors")
+
     def _check_complete(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:
         blocks = [(name, m) for name, m in self.named_modules() if isinstance(m, FusedMoE)]
         missing = [f"{name}.experts.{e}.{part}" for name, moe in blocks
-                   for e in range(moe.num_experts) for part in EXPERT_PARTS
+                   for e in range(moe.num_experts) for part in moe.parts
                    if (name, e, part) not in self._experts_loaded]
         if missing:
             raise ValueError(f"weights: checkpoint lacks {len(missing)} expert tensors, "
                              f"e.g. {missing[:3]}")
-        stacked = {f"{name}.{p}" for name, _ in blocks for p in ("w13", "w2")}
+        stacked = {f"{name}.{p}" for name, _ in blocks
+                   for p in ("w13", "w2", "w13_bias", "w2_bias")}
         super()._check_complete({n: p for n, p in params.items() if n not in stacked}, loaded)
 
     def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:

@@ -18,6 +18,7 @@ NATIVE_MODELS: dict[str, str] = {
     "Phi3ForCausalLM": "engine.models.phi3:Phi3ForCausalLM",
     "MixtralForCausalLM": "engine.models.mixtral:MixtralForCausalLM",
     "Qwen3MoeForCausalLM": "engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",
 }
 
 

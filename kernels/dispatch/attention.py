@@ -2,12 +2,14 @@
 chunks' query x context work."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kernels.cpu import features as cpu_features
 from kernels.cpu import native as cpu_native
 from kernels.cpu import paged_attention as cpu_attention
-from kernels import torch_invariant, torch_ops
+from kernels import torch_invariant, torch_ops, torch_windowed
 from kernels.torch_ops import attention_options
 from kernels.validation import check_paged_attention, check_reshape_and_cache
 
@@ -28,18 +30,33 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     seq_lens: torch.Tensor, scale: float, max_query_len: int,
                     max_seq_len: int, batch_invariant: bool = False, *,
                     sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every sequence's query chunk over its paged K/V -> [T, H, D].
     `batch_invariant`: every token as a decode row (CPU; the engine refuses it on CUDA).
     `sliding_window` W: a query at position p attends to keys p - W + 1 .. p only (HF's
     and vLLM's meaning); block-table entries of blocks wholly outside every query's
     window are never read (they may name a freed placeholder). `soft_cap` c: each
-    scaled logit s becomes c * tanh(s / c) before the softmax (Gemma 2). None: off."""
+    scaled logit s becomes c * tanh(s / c) before the softmax (Gemma 2). `sinks` [H]
+    float32 on query's device (gpt-oss): head h's softmax takes one more logit, sinks[h]
+    as it is (neither scaled nor capped), with no value (kernels/torch_windowed.py). None:
+    off.
+
+    Sinks run on the Triton kernels (CUDA) and on the torch path; on the CPU the native
+    decode, tile and AMX kernels take none, so every call with sinks goes to the torch
+    path there (batch-invariant: one decode call per row)."""
     check_paged_attention(query, key_cache, value_cache, block_tables, query_start_loc,
                           seq_lens, scale, max_query_len, max_seq_len, sliding_window, soft_cap)
+    _check_sinks(sinks, query)
     # Passed on only when set: today's calls (and the kernels' stand-ins in tests) keep
     # today's signatures.
     options = attention_options(sliding_window, soft_cap)
+    if sinks is not None and (batch_invariant or not query.is_cuda):
+        return _torch_with_sinks(query, key_cache, value_cache, block_tables, query_start_loc,
+                                 seq_lens, scale, max_query_len, max_seq_len, batch_invariant,
+                                 sinks, options)
+    if sinks is not None:
+        options = dict(options, sinks=sinks)
     if batch_invariant:
         return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
                                          query_start_loc, seq_lens, scale, max_query_len,
@@ -111,6 +128,53 @@ def _chunks_fit_tiles(query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
     if sliding_window is not None:
         context = torch.minimum(context, query_lens + sliding_window - 1)
     return int((query_lens * context).max()) <= max_work
+
+
+def _check_sinks(sinks: torch.Tensor | None, query: torch.Tensor) -> None:
+    if sinks is None:
+        return
+    heads = query.shape[1]
+    if (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
+            or tuple(sinks.shape) != (heads,) or sinks.device != query.device):
+        got = (f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+               if isinstance(sinks, torch.Tensor) else type(sinks).__name__)
+        raise ValueError(f"sinks: expected float32 ({heads},) (one per query head) on "
+                         f"{query.device}, got {got}")
+
+
+def _torch_with_sinks(query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+                      scale, max_query_len, max_seq_len, batch_invariant, sinks, options):
+    """torch_ops' batching (the decode rows in one call, each longer chunk alone) over
+    torch_windowed's kernels with the sinks bound in. Every chunk of two or more tokens
+    takes the chunk kernel, whose work is O(Q x window), not the rows'."""
+    decode = functools.partial(torch_windowed.decode_attention, sinks=sinks)
+    if batch_invariant:
+        decode = functools.partial(_each_row_alone, decode)
+
+    def prefill(query, key_cache, value_cache, block_tables, chunk_starts, chunk_lens,
+                seq_lens, scale, out, **options):
+        for table, start, length, seq_len in zip(block_tables, chunk_starts.tolist(),
+                                                 chunk_lens.tolist(), seq_lens.tolist()):
+            out[start:start + length] = torch_windowed.prefill_attention(
+                query[start:start + length], key_cache, value_cache, table, seq_len, scale,
+                sinks=sinks, **options)
+        return True
+
+    return torch_ops.paged_attention(query, key_cache, value_cache, block_tables,
+                                     query_start_loc, seq_lens, scale, max_query_len,
+                                     max_seq_len, decode=decode, rows_only=batch_invariant,
+                                     rows_max_work=0, prefill=prefill, **options)
+
+
+def _each_row_alone(decode, query, key_cache, value_cache, block_tables, seq_lens, scale,
+                    **options):
+    # Batch-invariant: a row's call is the call it would be alone in its step (the torch
+    # kernel's gathered span, and so its matmul shapes, follow the batch's longest row).
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    return torch.cat([decode(query[i:i + 1], key_cache, value_cache, block_tables[i:i + 1],
+                             seq_lens[i:i + 1], scale, **options)
+                      for i in range(query.shape[0])])
 
 
 def _cpu_decode(query, key_cache, value_cache, block_tables, seq_lens, scale, **options):

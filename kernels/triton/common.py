@@ -45,6 +45,16 @@ def soft_cap(scores, cap):
 
 
 @triton.jit
+def sink_logits(sinks_ptr, heads, valid):
+    """Each row's attention sink (gpt-oss: a logit in its head's softmax with no value) in
+    the kernels' log2 units; -inf is none (a model without sinks passes -inf for every
+    head) and so are padding rows. A row's online softmax starts from it: running max =
+    the sink, running sum = e^0 = 1, and a -inf sink starts it empty, as without sinks."""
+    sink = tl.load(sinks_ptr + heads, mask=valid, other=float("-inf"))
+    return sink * 1.4426950408889634  # log2(e)
+
+
+@triton.jit
 def online_softmax_update(scores, values, acc, running_max, running_sum, FP32_DOT: tl.constexpr):
     """Fold one tile of (log2-domain, already masked) scores and its V rows into the
     running max / sum / weighted accumulator of flash attention. A row with no key yet

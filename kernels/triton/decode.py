@@ -9,13 +9,16 @@ contexts still spreads over the whole GPU.
 sliding_window W > 0: the row at seq_len - 1 sees keys seq_len - W .. seq_len - 1; keys
 before that are never loaded (masked loads read nothing), partitions wholly before it
 return at once and the reduce skips them. soft_cap_log2 > 0: logits capped (common.soft_cap).
+sinks_ptr[head] joins each head's softmax (common.sink_logits; -inf: none); unsplit, the
+program starts from it, split, the reduce adds it once to the partitions' sums.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.triton.common import dot, load_kv_tile, online_softmax_update, soft_cap
+from kernels.triton.common import (dot, load_kv_tile, online_softmax_update, sink_logits,
+                                   soft_cap)
 
 
 # Ints that follow the batch (block-table width, partition count and size) or the layer
@@ -28,7 +31,7 @@ def decode_partition_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
         scale_log2, query_stride_token, query_stride_head, block_table_stride, num_partitions,
-        partition_size, sliding_window, soft_cap_log2,
+        partition_size, sliding_window, soft_cap_log2, sinks_ptr,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -59,6 +62,9 @@ def decode_partition_kernel(
 
     running_max = tl.full([GROUP_P2], float("-inf"), tl.float32)
     running_sum = tl.zeros([GROUP_P2], tl.float32)
+    if not SPLIT:  # split, the reduce adds the sink, once over all partitions
+        running_max = sink_logits(sinks_ptr, heads, groups < GROUP)
+        running_sum = tl.where(running_max > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([GROUP_P2, DIM_P2], tl.float32)
     for tile_start in range(first_tile, end, BLOCK_N):
         positions = tile_start + tl.arange(0, BLOCK_N)
@@ -95,6 +101,7 @@ def window_start(seq_len, sliding_window):
 @triton.jit(do_not_specialize=["num_partitions", "partition_size", "sliding_window"])
 def decode_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr,
                          seq_lens_ptr, num_partitions, partition_size, sliding_window,
+                         sinks_ptr,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
                          PARTS_P2: tl.constexpr):
     """Grid (sequence, head): softmax-weighted merge of the partition outputs.
@@ -116,8 +123,11 @@ def decode_reduce_kernel(out_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, quer
     slot = (seq.to(tl.int64) * NUM_HEADS + head) * num_partitions + parts
     part_max = tl.load(part_max_ptr + slot, mask=in_use, other=float("-inf"))
     part_sum = tl.load(part_sum_ptr + slot, mask=in_use, other=0.0)
-    weights = tl.exp2(part_max - tl.max(part_max, axis=0)) * part_sum
-    weights = weights / tl.sum(weights, axis=0)
+    # The sink is one more term of the denominator (0 without one: exp2(-inf)).
+    sink = sink_logits(sinks_ptr, head, head < NUM_HEADS)
+    top = tl.maximum(tl.max(part_max, axis=0), sink)
+    weights = tl.exp2(part_max - top) * part_sum
+    weights = weights / (tl.sum(weights, axis=0) + tl.exp2(sink - top))
     partial = tl.load(part_out_ptr + slot[:, None] * HEAD_DIM + dims[None, :],
                       mask=in_use[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)
     merged = tl.sum(partial * weights[:, None], axis=0)

@@ -101,6 +101,11 @@ def prefill_block_q(group: int, max_query_len: int, tiles: AttentionTiles) -> in
 DEFAULT_TILES = AttentionTiles()
 
 
+@functools.cache
+def _no_sinks(device: torch.device, num_heads: int) -> torch.Tensor:
+    return torch.full((num_heads,), float("-inf"), dtype=torch.float32, device=device)
+
+
 def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -126,7 +131,8 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                     seq_lens: torch.Tensor, scale: float, max_query_len: int, max_seq_len: int,
                     tiles: AttentionTiles = DEFAULT_TILES, *, sliding_window: int | None = None,
-                    soft_cap: float | None = None) -> torch.Tensor:
+                    soft_cap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     # Rows past query_start_loc[-1] (e.g. padding) stay zero, as on the CPU path.
     out = torch.zeros_like(query)
     num_seqs = block_tables.shape[0]
@@ -148,6 +154,9 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
     # logits are in log2 units, so is the cap.
     features = (min(sliding_window or 0, MAX_WINDOW),
                 float(soft_cap or 0.0) * math.log2(math.e))
+    # Sinks [H] float32 (gpt-oss); without them -inf for every head, which adds nothing:
+    # one pointer type either way, so no variant to compile beyond today's.
+    sinks = _no_sinks(query.device, num_heads) if sinks is None else sinks
 
     if max_query_len == 1:
         plan = plan_decode(num_seqs, num_kv_heads, max_seq_len, num_sms(query.device), tiles)
@@ -164,18 +173,20 @@ def paged_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: t
         decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
             *common, out, part_out, part_max, part_sum, scale_log2,
             query.stride(0), query.stride(1), block_tables.stride(0), num_partitions,
-            plan.partition_size, *features, GROUP_P2=max(16, triton.next_power_of_2(group)),
+            plan.partition_size, *features, sinks,
+            GROUP_P2=max(16, triton.next_power_of_2(group)),
             SPLIT=num_partitions > 1, num_warps=tiles.num_warps, **shape)
         if num_partitions > 1:
             decode_reduce_kernel[(num_seqs, num_heads)](
                 out, part_out, part_max, part_sum, query_start_loc, seq_lens, num_partitions,
-                plan.partition_size, features[0], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-                DIM_P2=shape["DIM_P2"], PARTS_P2=plan.parts_p2, num_warps=tiles.num_warps)
+                plan.partition_size, features[0], sinks, NUM_HEADS=num_heads,
+                HEAD_DIM=head_dim, DIM_P2=shape["DIM_P2"], PARTS_P2=plan.parts_p2,
+                num_warps=tiles.num_warps)
         return out
 
     block_q = prefill_block_q(group, max_query_len, tiles)
     prefill_attention_kernel[(num_seqs, num_kv_heads, triton.cdiv(max_query_len, block_q))](
         *common, out, scale_log2, query.stride(0), query.stride(1), block_tables.stride(0),
-        *features, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
+        *features, sinks, GROUP_P2=triton.next_power_of_2(group), BLOCK_Q=block_q,
         num_warps=tiles.num_warps, **shape)
     return out

@@ -8,21 +8,23 @@ causal mask is aligned bottom-right: query j sits at seq_len - query_len + j.
 
 sliding_window W > 0: query p sees keys p - W + 1 .. p; keys start at the tile's first
 row's lowest, and nothing before it is loaded (masked loads read nothing).
-soft_cap_log2 > 0: logits capped (common.soft_cap).
+soft_cap_log2 > 0: logits capped (common.soft_cap). Each row's online softmax starts from
+its head's sink, sinks_ptr[head] (common.sink_logits; -inf: none).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from kernels.triton.common import dot, load_kv_tile, online_softmax_update, soft_cap
+from kernels.triton.common import (dot, load_kv_tile, online_softmax_update, sink_logits,
+                                   soft_cap)
 
 
 @triton.jit(do_not_specialize=["block_table_stride", "sliding_window"])  # as decode's
 def prefill_attention_kernel(
         query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr,
         seq_lens_ptr, out_ptr, scale_log2, query_stride_token, query_stride_head,
-        block_table_stride, sliding_window, soft_cap_log2,
+        block_table_stride, sliding_window, soft_cap_log2, sinks_ptr,
         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_P2: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_P2: tl.constexpr,
         BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -56,8 +58,8 @@ def prefill_attention_kernel(
     window = tl.where(sliding_window > 0, sliding_window, 1 << 30)
     lowest = tl.maximum(context_len + q_tile * BLOCK_Q - window + 1, 0)
 
-    running_max = tl.full([BLOCK_Q * GROUP_P2], float("-inf"), tl.float32)
-    running_sum = tl.zeros([BLOCK_Q * GROUP_P2], tl.float32)
+    running_max = sink_logits(sinks_ptr, heads, groups < GROUP)
+    running_sum = tl.where(running_max > float("-inf"), 1.0, 0.0)
     acc = tl.zeros([BLOCK_Q * GROUP_P2, DIM_P2], tl.float32)
     # With a window a row may see no key of the first tiles: online_softmax_update keeps
     # such a row at zero weight until its keys come.

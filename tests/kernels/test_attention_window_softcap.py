@@ -3,6 +3,8 @@ dense float64 reference of tests/kernels/window_reference.py: the torch implemen
 the dispatcher (default and batch-invariant), the native decode kernel, the tile kernel
 and the AMX prefill kernel. Every block a query's window leaves behind, and every table
 column past a sequence's blocks, names a block of NaN: a path that reads one fails.
+Attention sinks (gpt-oss, issue 45) with and without windows / caps through the
+dispatcher, the one CPU door that takes them (the native kernels decline: torch runs).
 The Triton kernels have the same cases under the interpreter (tests/kernels/triton/)."""
 from __future__ import annotations
 
@@ -206,3 +208,112 @@ def test_bad_window_or_cap_is_refused(bad):
     batch = _batch(DECODE, SHAPES[3], None, torch.float32)
     with pytest.raises(ValueError, match=next(iter(bad))):
         dispatch.paged_attention(*batch.attention_args(), **bad)
+
+
+# ---- attention sinks (gpt-oss) -------------------------------------------------------------
+def _sinks(num_heads: int, seed: int = 0) -> torch.Tensor:
+    """One per head, of the logits' size (some heads' sinks outweigh most keys, some almost
+    none), in no order, so a head reading another head's sink shows."""
+    return torch.randn(num_heads, generator=torch.Generator().manual_seed(seed)) * 2.0 + 1.0
+
+
+SINK_FEATURES = [(None, None), (1, None), (7, None), (29, None), (1000, None), (None, CAP),
+                 (16, CAP)]
+SINK_CASES = pytest.mark.parametrize("shape,dtype,window,cap", [
+    (shape, dtype, window, cap) for shape in SHAPES for dtype in (torch.float32, torch.bfloat16)
+    for window, cap in SINK_FEATURES])
+
+
+@SINK_CASES
+@pytest.mark.parametrize("lens", [MIXED, DECODE], ids=["mixed", "decode"])
+def test_dispatch_with_sinks(shape, dtype, window, cap, lens):
+    batch = _batch(lens, shape, window, dtype)
+    sinks = _sinks(shape[0])
+    got = dispatch.paged_attention(*batch.attention_args(), sinks=sinks, **_options(window, cap))
+    assert_matches(got, batch, window, cap, sinks=sinks, **TOLERANCE[dtype])
+
+
+@SINK_CASES
+def test_dispatch_batch_invariant_with_sinks(shape, dtype, window, cap):
+    batch = _batch(MIXED, shape, window, dtype)
+    sinks = _sinks(shape[0], seed=1)
+    got = dispatch.paged_attention(*batch.attention_args(), True, sinks=sinks,
+                                   **_options(window, cap))
+    assert_matches(got, batch, window, cap, sinks=sinks, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("window,cap", [(40, None), (100, CAP), (None, None), (None, CAP)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prompts_with_sinks(window, cap, dtype, monkeypatch):
+    """Chunks of several torch slices (a window's rows; a small score budget makes the
+    sink slices, which cannot use SDPA, many more) over contexts of many windows."""
+    monkeypatch.setattr(torch_windowed, "_SCORES_BUDGET", 20000)
+    batch = _batch(LONG, (8, 2, 64, 16), window, dtype)
+    sinks = _sinks(8, seed=2)
+    got = dispatch.paged_attention(*batch.attention_args(), sinks=sinks, **_options(window, cap))
+    assert_matches(got, batch, window, cap, sinks=sinks, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("invariant", [False, True])
+def test_sinks_never_reach_the_native_kernels(dtype, invariant, monkeypatch):
+    """The native decode, tile and AMX kernels know no sinks: a call with sinks must not
+    reach them (they would drop the sinks silently), wherever they are built."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a native kernel got a call with sinks")
+    monkeypatch.setattr(cpu_native, "decode_attention", refuse)
+    monkeypatch.setattr(cpu_attention, "paged_attention", refuse)
+    monkeypatch.setattr(cpu_attention, "prefill_attention_amx", refuse)
+    for lens in (MIXED, DECODE):
+        batch = _batch(lens, SHAPES[0], 7, dtype)
+        sinks = _sinks(SHAPES[0][0])
+        got = dispatch.paged_attention(*batch.attention_args(), invariant, sliding_window=7,
+                                       sinks=sinks)
+        assert_matches(got, batch, 7, None, sinks=sinks, **TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_rows_with_sinks_are_the_same_bits_alone(dtype):
+    batch = _batch(MIXED, SHAPES[3], 7, dtype)
+    sinks = _sinks(SHAPES[3][0])
+    q, kc, vc, tables, starts, lens, scale, *_ = batch.attention_args()
+    whole = dispatch.paged_attention(*batch.attention_args(), True, sliding_window=7, sinks=sinks)
+    bounds = starts.tolist()
+    for seq, seq_len in enumerate(lens.tolist()):
+        for row in range(bounds[seq], bounds[seq + 1]):
+            length = seq_len - (bounds[seq + 1] - 1 - row)
+            alone = dispatch.paged_attention(
+                q[row:row + 1], kc, vc, tables[seq:seq + 1],
+                torch.tensor([0, 1], dtype=torch.int32), torch.tensor([length], dtype=torch.int32),
+                scale, 1, length, True, sliding_window=7, sinks=sinks)
+            assert torch.equal(alone, whole[row:row + 1]), (seq, row)
+
+
+def test_reference_sinks_are_hf_gpt_oss_eager_attention():
+    """The reference's sinks are gpt-oss's: HF's eager_attention_forward (sinks joined to
+    the scaled, masked logits, softmax, the sink's column dropped) on one fresh prompt."""
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+    heads, kv_heads, head_dim = 4, 2, 32
+    batch = _batch(([23], [23]), (heads, kv_heads, head_dim, 8), None, torch.float32)
+    sinks = _sinks(heads)
+    query = batch.query.double().transpose(0, 1)[None]           # [1, H, T, D]
+    keys = batch.keys[0].double().transpose(0, 1)[None]           # [1, KVH, T, D]
+    values = batch.values[0].double().transpose(0, 1)[None]
+    mask = torch.full((23, 23), float("-inf"), dtype=torch.float64).triu(1)[None, None]
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, sinks=sinks.double(),
+                             training=False)
+    expected, _ = eager_attention_forward(module, query, keys, values, mask, batch.scale)
+    torch.testing.assert_close(reference(batch, None, None, sinks), expected[0])
+
+
+@pytest.mark.parametrize("bad,match", [
+    (torch.zeros(4), r"float32 \(8,\).*\(4,\)"),
+    (torch.zeros(8, dtype=torch.bfloat16), "bfloat16"),
+    (torch.zeros(1, 8), r"\(1, 8\)"),
+    ([0.0] * 8, "list")])
+def test_bad_sinks_are_refused(bad, match):
+    batch = _batch(DECODE, SHAPES[0], None, torch.float32)
+    with pytest.raises(ValueError, match=rf"sinks: .*{match}"):
+        dispatch.paged_attention(*batch.attention_args(), sinks=bad)

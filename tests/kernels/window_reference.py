@@ -1,5 +1,6 @@
 """Paged batches whose freed blocks hold NaN, and a dense float64 reference of windowed,
-soft-capped attention, for the window / soft-cap tests of every attention path.
+soft-capped attention with or without sinks, for the window / soft-cap / sinks tests of
+every attention path.
 
 The reference is testing/paged_batch.py's dense_attention in float64: written from the
 definitions on each sequence's unpaged K/V, sharing nothing with kernels/.
@@ -44,23 +45,28 @@ def windowed_batch(seq_lens: list[int], query_lens: list[int], num_heads: int,
     return batch
 
 
-def reference(batch: PagedBatch, window: int | None, soft_cap: float | None) -> torch.Tensor:
+def reference(batch: PagedBatch, window: int | None, soft_cap: float | None,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """float64 [T, H, D]: each sequence's chunk against its unpaged K/V, dense, on CPU."""
-    return dense_attention(batch, window, soft_cap, torch.float64).cpu()
+    return dense_attention(batch, window, soft_cap, torch.float64, sinks).cpu()
 
 
 def assert_matches(got: torch.Tensor, batch: PagedBatch, window: int | None,
-                   soft_cap: float | None, atol: float, rtol: float) -> None:
-    """got against the reference, which must itself differ from what ignoring the cap, or
-    a window shorter than some context, gives (else the case would not test them)."""
+                   soft_cap: float | None, atol: float, rtol: float,
+                   sinks: torch.Tensor | None = None) -> None:
+    """got against the reference, which must itself differ from what ignoring the cap, the
+    sinks, or a window shorter than some context, gives (else the case would not test
+    them)."""
     assert got is not None and got.dtype == batch.query.dtype
     assert got.shape == batch.query.shape
     assert not torch.isnan(got.float()).any(), "read a freed (NaN) block"
-    expected = reference(batch, window, soft_cap)
+    expected = reference(batch, window, soft_cap, sinks)
     torch.testing.assert_close(got.cpu().double(), expected, atol=atol, rtol=rtol)
     lengths = [n for n, q in zip(batch.seq_lens.tolist(), batch.query_start_loc.diff().tolist())
                if q > 0]
     if window is not None and window < max(lengths, default=0):
-        assert (reference(batch, None, soft_cap) - expected).abs().max() > 10 * atol
+        assert (reference(batch, None, soft_cap, sinks) - expected).abs().max() > 10 * atol
     if soft_cap is not None:
-        assert (reference(batch, window, None) - expected).abs().max() > 10 * atol
+        assert (reference(batch, window, None, sinks) - expected).abs().max() > 10 * atol
+    if sinks is not None:
+        assert (reference(batch, window, soft_cap) - expected).abs().max() > 10 * atol

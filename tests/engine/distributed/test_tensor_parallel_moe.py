@@ -52,18 +52,23 @@ def test_moe_intermediate_size_must_split_evenly():
         check_shardable(config, 4)
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3-moe", "gpt-oss"])
 def tiny_moe(request, tmp_path_factory):
-    # qwen3-moe: an MoE layer and a dense one, each sharded its own way.
-    return str(make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param,
-                                   seed=3))
+    # qwen3-moe: an MoE layer and a dense one, each sharded its own way; gpt-oss: expert
+    # biases, attention sinks per query head and alternating windows.
+    path = make_tiny_model_dir(tmp_path_factory.mktemp(request.param), arch=request.param, seed=3)
+    # gpt-oss's three KV groups (two windowed layers, one full) hold up to 64 blocks for one
+    # request of max_model_len; 72 still preempts.
+    return str(path), 72 if request.param == "gpt-oss" else _stressed_args()["num_kv_blocks"]
 
 
 def test_two_ranks_match_one_rank_with_preemption_and_prefix_hits(tiny_moe):
     from engine import LLM
-    reference = _generate(LLM(tiny_moe, dtype="float32", num_kv_blocks=512, max_model_len=160,
+    path, num_blocks = tiny_moe
+    reference = _generate(LLM(path, dtype="float32", num_kv_blocks=512, max_model_len=160,
                               enable_prefix_caching=False), _stressed_prompts())
-    tp = LLM(tiny_moe, dtype="float32", tensor_parallel_size=2, **_stressed_args())
+    tp = LLM(path, dtype="float32", tensor_parallel_size=2,
+             **{**_stressed_args(), "num_kv_blocks": num_blocks})
     try:
         layers = tp.llm_engine.loaded.model.model.layers
         blocks = [layer.mlp for layer in layers if isinstance(layer.mlp, FusedMoE)]

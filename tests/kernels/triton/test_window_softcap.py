@@ -1,4 +1,5 @@
-"""The Triton attention kernels with a sliding window and a soft cap (issue 44), against the
+"""The Triton attention kernels with a sliding window, a soft cap (issue 44) and attention
+sinks (gpt-oss, issue 45), against the
 dense float64 reference of tests/kernels/window_reference.py, under the interpreter where
 there is no GPU (as test_kernels.py: TRITON_INTERPRET=1 is set before triton is imported).
 Blocks before every query's window, and table padding, name a block of NaN: a kernel that
@@ -31,13 +32,17 @@ MIXED = ([1, 37, 40, 100, 29, 5, 3], [1, 1, 40, 23, 1, 0, 3])
 DECODE = ([1, 37, 40, 100, 29, 64], [1] * 6)
 
 
-def _run(lens, shape, dtype, window, cap, tiles):
+def _run(lens, shape, dtype, window, cap, tiles, sinks=False):
     heads, kv_heads, head_dim, block_size = shape
     batch = windowed_batch(*lens, heads, kv_heads, head_dim, block_size, window, dtype=dtype,
                            seed=head_dim + heads, scale=SCALE, query_gain=3.0, device=DEVICE)
+    head_sinks = None
+    if sinks:  # per head, of the logits' size, in no order (a head reading another's shows)
+        gen = torch.Generator().manual_seed(heads)
+        head_sinks = (torch.randn(heads, generator=gen) * 2.0 + 1.0).to(DEVICE)
     got = triton_ops.paged_attention(*batch.attention_args(), tiles=tiles,
-                                     sliding_window=window, soft_cap=cap)
-    assert_matches(got, batch, window, cap, **TOLERANCE[dtype])
+                                     sliding_window=window, soft_cap=cap, sinks=head_sinks)
+    assert_matches(got, batch, window, cap, sinks=head_sinks, **TOLERANCE[dtype])
 
 
 FEATURES = [(7, None), (29, None), (1, None), (1000, None), (None, CAP), (16, CAP)]
@@ -62,3 +67,28 @@ def test_a_long_decode_reads_only_its_window():
     """300 positions, window 40: the first 8 partitions of 32 are wholly before it and
     their blocks are NaN; the reduce must leave them out too."""
     _run(([300, 260], [1, 1]), SHAPES[1], torch.float32, 40, CAP, SMALL_TILES)
+
+
+SINK_FEATURES = [(None, None), (7, None), (1, None), (16, CAP)]
+
+
+@pytest.mark.parametrize("window,cap", SINK_FEATURES)
+@pytest.mark.parametrize("shape,dtype", [(SHAPES[0], torch.bfloat16), (SHAPES[1], torch.float32),
+                                         (SHAPES[2], torch.float32)])
+@pytest.mark.parametrize("tiles", [SMALL_TILES, triton_ops.DEFAULT_TILES], ids=["split", "single"])
+def test_decode_kernel_with_sinks(window, cap, shape, dtype, tiles):
+    """Unsplit the program starts from the sink; split, the reduce adds it once (a
+    partition that added it too, or none, would be off by a sink)."""
+    _run(DECODE, shape, dtype, window, cap, tiles, sinks=True)
+
+
+@pytest.mark.parametrize("window,cap", SINK_FEATURES)
+@pytest.mark.parametrize("shape,dtype", [(SHAPES[0], torch.float32), (SHAPES[1], torch.bfloat16),
+                                         (SHAPES[2], torch.float32)])
+def test_prefill_kernel_with_decode_rows_and_sinks(window, cap, shape, dtype):
+    _run(MIXED, shape, dtype, window, cap, SMALL_TILES, sinks=True)
+
+
+def test_a_long_decode_with_sinks_skips_partitions_before_its_window():
+    """The partitions the window skips hold no sink either: the reduce adds it itself."""
+    _run(([300, 260], [1, 1]), SHAPES[1], torch.float32, 40, None, SMALL_TILES, sinks=True)
