@@ -22,95 +22,17 @@
 #include <string.h>
 
 #include "bf16.h"
-#include "prefetch.h"
+#include "row_dot.h"
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-#include <immintrin.h>
-#define LINEAR_BF16_DPBF16 1
-#else
-#define LINEAR_BF16_DPBF16 0
-#endif
+/* The two inner loops live in row_dot.h (shared with moe.c). */
+#define LINEAR_BF16_DPBF16 ROW_DOT_DPBF16
 
 /* Which inner loop this build carries: 1 vdpbf16ps, 0 widen-and-FMA (tests check it
  * against the CPU's features). */
 int linear_bf16_uses_dpbf16(void) { return LINEAR_BF16_DPBF16; }
 
 /* Rows of W a thread streams side by side: four independent loads and accumulators. */
-#define ROWS 4
-
-#if LINEAR_BF16_DPBF16
-
-static inline __m512bh load32(const uint16_t *p) {
-    return (__m512bh)_mm512_loadu_si512((const void *)p);
-}
-
-/* out[i] = sum over k of x * w[i], the first k32 elements by vdpbf16ps; each line of the
- * rows ROW_PREFETCH_AHEAD further on is prefetched when `ahead` (the first x row) */
-static void dot4(const uint16_t *x, const uint16_t *const w[ROWS], int64_t k, int ahead,
-                 float out[ROWS]) {
-    const int64_t k32 = k & ~(int64_t)31, skip = ROW_PREFETCH_AHEAD * k;
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i < k32; i += 32) {
-        if (ahead)
-            for (int r = 0; r < ROWS; r++) prefetch_l2(w[r] + i + skip);
-        const __m512bh xv = load32(x + i);
-        a0 = _mm512_dpbf16_ps(a0, xv, load32(w[0] + i));
-        a1 = _mm512_dpbf16_ps(a1, xv, load32(w[1] + i));
-        a2 = _mm512_dpbf16_ps(a2, xv, load32(w[2] + i));
-        a3 = _mm512_dpbf16_ps(a3, xv, load32(w[3] + i));
-    }
-    out[0] = _mm512_reduce_add_ps(a0);
-    out[1] = _mm512_reduce_add_ps(a1);
-    out[2] = _mm512_reduce_add_ps(a2);
-    out[3] = _mm512_reduce_add_ps(a3);
-    for (int64_t i = k32; i < k; i++) {
-        const float xi = bf16_to_f32(x[i]);
-        for (int r = 0; r < ROWS; r++) out[r] += xi * bf16_to_f32(w[r][i]);
-    }
-}
-
-#else
-
-#include "vec8.h"
-
-typedef uint16_t v8u16 __attribute__((vector_size(16)));
-typedef uint32_t v8u32 __attribute__((vector_size(32)));
-
-/* 8 bf16 -> 8 float32: the bf16 bits are a float32's upper half. */
-static inline v8f widen8(const uint16_t *p) {
-    v8u16 h;
-    memcpy(&h, p, sizeof h);
-    const v8u32 u = __builtin_convertvector(h, v8u32) << 16;
-    v8f f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* x here is the row already widened to float32 (done once per call, not once per W row);
- * `ahead` as above, once per 64-byte line (32 bf16) */
-static void dot4(const float *x, const uint16_t *const w[ROWS], int64_t k, int ahead,
-                 float out[ROWS]) {
-    const int64_t k8 = k & ~(int64_t)7, skip = ROW_PREFETCH_AHEAD * k;
-    v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t i = 0; i < k8; i += 8) {
-        if (ahead && (i & 31) == 0)
-            for (int r = 0; r < ROWS; r++) prefetch_l2(w[r] + i + skip);
-        const v8f xv = load8(x + i);
-        a0 += xv * widen8(w[0] + i);
-        a1 += xv * widen8(w[1] + i);
-        a2 += xv * widen8(w[2] + i);
-        a3 += xv * widen8(w[3] + i);
-    }
-    out[0] = hsum(a0);
-    out[1] = hsum(a1);
-    out[2] = hsum(a2);
-    out[3] = hsum(a3);
-    for (int64_t i = k8; i < k; i++) {
-        for (int r = 0; r < ROWS; r++) out[r] += x[i] * bf16_to_f32(w[r][i]);
-    }
-}
-
-#endif
+#define ROWS DOT_ROWS
 
 /* x [m, k], w [n, k], bias [n] or NULL, y [m, n]; all bf16, rows contiguous.
  * Returns 0, or -1 if the float32 copy of x could not be allocated (nothing written). */
@@ -133,7 +55,7 @@ int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
         for (int r = 0; r < ROWS; r++) rows_w[r] = w + (j0 + (r < rows ? r : rows - 1)) * k;
         for (int64_t r = 0; r < m; r++) {
             float out[ROWS];
-            dot4(xs + r * k, rows_w, k, r == 0, out);
+            dot4_bf16(xs + r * k, rows_w, k, r == 0, out);
             uint16_t *yr = y + r * n + j0;
             for (int i = 0; i < rows; i++)
                 yr[i] = f32_to_bf16(out[i] + (bias ? bf16_to_f32(bias[j0 + i]) : 0.f));

@@ -12,19 +12,12 @@
  */
 #include <stdint.h>
 
-#include "prefetch.h"
-#include "vec8.h"
-
-static float dot_tail(const float *a, const float *b, int64_t from, int64_t k) {
-    float s = 0.f;
-    for (int64_t i = from; i < k; i++) s += a[i] * b[i];
-    return s;
-}
+#include "row_dot.h"
 
 /* x [m, k], w [n, k], bias [n] or NULL, y [m, n]; all float32, rows contiguous. */
 void linear_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,
                      int64_t n, int64_t k, int num_threads) {
-    const int64_t k8 = k & ~(int64_t)7, groups = (n + 3) / 4, skip = ROW_PREFETCH_AHEAD * k;
+    const int64_t groups = (n + 3) / 4;
     #pragma omp parallel for schedule(static) num_threads(num_threads) if (n * k >= 32768)
     for (int64_t g = 0; g < groups; g++) {
         const int64_t j0 = g * 4;
@@ -34,24 +27,10 @@ void linear_f32_rows(const float *x, const float *w, const float *bias, float *y
         const float *w1 = w + (j0 + (rows > 1 ? 1 : 0)) * k;
         const float *w2 = w + (j0 + (rows > 2 ? 2 : rows - 1)) * k;
         const float *w3 = w + (j0 + rows - 1) * k;
+        const float *const rows_w[4] = {w0, w1, w2, w3};
         for (int64_t r = 0; r < m; r++) {
-            const float *xr = x + r * k;
-            v8f a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t i = 0; i < k8; i += 8) {
-                if (r == 0 && (i & 15) == 0) {  /* once per 64-byte line */
-                    prefetch_l2(w0 + i + skip);
-                    prefetch_l2(w1 + i + skip);
-                    prefetch_l2(w2 + i + skip);
-                    prefetch_l2(w3 + i + skip);
-                }
-                const v8f xv = load8(xr + i);
-                a0 += xv * load8(w0 + i);
-                a1 += xv * load8(w1 + i);
-                a2 += xv * load8(w2 + i);
-                a3 += xv * load8(w3 + i);
-            }
-            float out[4] = {hsum(a0) + dot_tail(xr, w0, k8, k), hsum(a1) + dot_tail(xr, w1, k8, k),
-                            hsum(a2) + dot_tail(xr, w2, k8, k), hsum(a3) + dot_tail(xr, w3, k8, k)};
+            float out[4];
+            dot4_f32(x + r * k, rows_w, k, r == 0, out);
             float *yr = y + r * n + j0;
             for (int i = 0; i < rows; i++) yr[i] = out[i] + (bias ? bias[j0 + i] : 0.f);
         }
