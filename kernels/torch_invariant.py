@@ -55,3 +55,14 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     return torch.cat([
         torch_ops.add_rms_norm(None if x is None else x[r:r + 1], residual[r:r + 1], weight, eps)
         for r in range(residual.shape[0])])
+
+
+def gemma_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """torch_ops.gemma_rms_norm a row at a time, with a lone row's shapes."""
+    if residual.dim() != 2 or residual.shape[0] == 0:
+        return torch_ops.gemma_rms_norm(x, residual, weight, eps)
+    return torch.cat([
+        torch_ops.gemma_rms_norm(None if x is None else x[r:r + 1], residual[r:r + 1], weight,
+                                 eps)
+        for r in range(residual.shape[0])])

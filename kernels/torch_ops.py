@@ -247,10 +247,29 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
     return F.rms_norm(residual.float(), weight.shape, None, eps).to(residual.dtype) * weight
 
 
+def gemma_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor:
+    """Gemma's: residual += x in place (when x is given); returns norm(residual) * (1 +
+    weight), scaled in float32 and rounded to the model dtype once, in HF's op sequence (so
+    float32 results are HF's to the bit)."""
+    if x is not None:
+        residual.add_(x)
+    xf = residual.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (xf * (1.0 + weight.float())).to(residual.dtype)
+
+
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [gate | up] along the last dim."""
     half = gate_up.shape[-1] // 2
     act = F.silu(gate_up[..., :half])
+    return act.mul_(gate_up[..., half:])
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up = [gate | up] along the last dim."""
+    half = gate_up.shape[-1] // 2
+    act = F.gelu(gate_up[..., :half], approximate="tanh")
     return act.mul_(gate_up[..., half:])
 
 

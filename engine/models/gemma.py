@@ -10,7 +10,9 @@ the final logits only if its config asks, and rotates its sliding layers with a 
 their own: base rope_local_base_freq, no scaling (rope_scaling is the global layers').
 
 The projections keep Llama's module names (qkv_proj, o_proj, gate_up_proj, down_proj)
-and layout, so LoRA, tensor parallelism and the loader apply unchanged."""
+and layout, so LoRA, tensor parallelism and the loader apply unchanged. A single sequence's
+decode runs the whole stack in one native call where it applies (single_decode.py), as
+Llama's does; the embedding's scaling and the final logit cap stay out here."""
 from __future__ import annotations
 
 import copy
@@ -19,10 +21,11 @@ import torch
 from torch import nn
 
 from engine.config.sliding_window import layer_windows
+from engine.models import single_decode
 from engine.models.attention import AttentionMetadata, per_layer
 from engine.models.layers import Embedding, GeGLUMLP, GemmaRMSNorm
 from engine.models.llama import (ArchSpec, CosSin, KVCache, LlamaAttention, LlamaForCausalLM,
-                                 model_windows)
+                                 LlamaModel, model_windows)
 from engine.models.rope import RotaryEmbedding
 from kernels import dispatch
 from kernels.dispatch import GgufWeight
@@ -112,9 +115,10 @@ class GemmaModel(nn.Module):
             layers.append(GemmaDecoderLayer(config, attention, dtype))
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        # The native single-sequence step runs Llama's layer only (single_decode.py); the
-        # flag is here because LoRA's runtime saves and restores it on every decoder.
-        self.fused_single_decode = False
+        # As LlamaModel's: False keeps the layer-by-layer path (LoRA's runtime saves and
+        # restores it on every decoder).
+        self.fused_single_decode = True
+        self._single_plan: tuple[int, object] | None = None  # (KV cache address, plan or None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
@@ -122,6 +126,12 @@ class GemmaModel(nn.Module):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         metas = per_layer(meta, len(self.layers))
         x = self.embed(input_ids) * self.normalizer
+        if self.fused_single_decode and metas[0].max_query_len == 1 and input_ids.shape[0] == 1:
+            plan = self._plan_for(kv_caches)
+            if plan is not None:
+                hidden = single_decode.run(plan, x, positions, meta)
+                if hidden is not None:
+                    return hidden
         # Each table gathered once per forward, for all the layers that use it.
         tables = [self.rotary.lookup(positions)]
         if self.rotary_local is not None:
@@ -132,6 +142,8 @@ class GemmaModel(nn.Module):
             x, residual = layer.forward(tables[which], x, residual, kv_cache, layer_meta)
         x, _ = self.norm.forward(x, residual)
         return x
+
+    _plan_for = LlamaModel._plan_for  # the plan, built once per KV cache
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed_quantized is not None:

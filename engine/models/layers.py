@@ -114,7 +114,9 @@ class SwiGLUMLP(nn.Module):
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: the checkpoint stores w and the scale is (1 + w); HF normalises,
     scales by (1 + w) in float32 and rounds to the model dtype once (Llama's rounds
-    before its weight multiply), so this does the same. Same interface as RMSNorm."""
+    before its weight multiply), so this does the same (kernels.torch_ops.gemma_rms_norm;
+    on CPU the native kernel, which the fused single-sequence decode also runs). Same
+    interface as RMSNorm."""
 
     def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype) -> None:
         super().__init__()
@@ -125,20 +127,11 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual); the residual is updated in place."""
-        if residual is not None:
-            x = residual.add_(x)
-        scale = 1.0 + self.weight.float()
-        if self.batch_invariant and x.dim() == 2 and x.shape[0] > 1:
-            # One row at a time with a lone row's shapes, so torch picks the same
-            # reduction whatever the batch (kernels/torch_invariant.py's rule).
-            return torch.cat([self._norm(x[r:r + 1], scale) for r in range(x.shape[0])]), x
-        return self._norm(x, scale), x
-
-    def _norm(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # HF's op sequence, so float32 results are its own to the bit.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * scale).to(x.dtype)
+        if residual is None:
+            return dispatch.gemma_rms_norm(None, x, self.weight, self.eps,
+                                           self.batch_invariant), x
+        return (dispatch.gemma_rms_norm(x, residual, self.weight, self.eps,
+                                        self.batch_invariant), residual)
 
 
 class GeGLUMLP(SwiGLUMLP):
@@ -146,8 +139,5 @@ class GeGLUMLP(SwiGLUMLP):
     layers and names, which LoRA and sharding wrap, with another activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj.forward(x)
         # Read after sharding too: a rank's gate_up holds its own slice of both halves.
-        half = gate_up.shape[-1] // 2
-        act = F.gelu(gate_up[..., :half], approximate="tanh")
-        return self.down_proj.forward(act.mul_(gate_up[..., half:]))
+        return self.down_proj.forward(dispatch.gelu_tanh_mul(self.gate_up_proj.forward(x)))

@@ -8,24 +8,30 @@ import torch
 from torch import nn
 
 from engine.models.attention import AttentionMetadata
-from engine.models.layers import RMSNorm, SwiGLUMLP
+from engine.models.layers import GeGLUMLP, GemmaRMSNorm, RMSNorm, SwiGLUMLP
 from kernels import dispatch
 from kernels.dispatch import DecodeStepPlan, LayerWeights
 
 
 def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
-    """model: a LlamaModel; None unless every layer is Llama's own layer, optionally with
-    Qwen3's per-head q/k RMSNorms and a sliding window (the C step knows nothing else: no
-    soft cap, other norm or MLP; Gemma keeps the layer-by-layer path), and float32 or bf16
+    """model: a LlamaModel or a GemmaModel; None unless every layer is Llama's own layer
+    (optionally with Qwen3's per-head q/k RMSNorms and a sliding window) or every layer is
+    Gemma's (Gemma 2's soft cap, Gemma 3's q/k norms and local RoPE), and float32 or bf16
     on CPU with dense or GGUF weights (GPUs and other formats keep the layer-by-layer
     path)."""
-    if not all(_is_llama_layer(layer, model.rotary) for layer in model.layers):
-        return None
-    if type(model.norm) is not RMSNorm:
+    gemma = all(_is_gemma_layer(layer, model) for layer in model.layers)
+    if gemma:
+        if type(model.norm) is not GemmaRMSNorm:
+            return None
+    elif (not all(_is_llama_layer(layer, model.rotary) for layer in model.layers)
+          or type(model.norm) is not RMSNorm):
         return None
     layers = []
     for layer, (key_cache, value_cache) in zip(model.layers, kv_caches):
         attn, mlp = layer.self_attn, layer.mlp
+        own_rope = attn.rotary is not model.rotary  # Gemma 3's local layers
+        if own_rope and attn.rotary.rot_half != model.rotary.rot_half:
+            return None
         layers.append(LayerWeights(
             qkv=attn.qkv_proj.kernel_weight(), o=attn.o_proj.kernel_weight(),
             gate_up=mlp.gate_up_proj.kernel_weight(), down=mlp.down_proj.kernel_weight(),
@@ -34,13 +40,20 @@ def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
             value_cache=value_cache,
             q_norm=None if attn.q_norm is None else attn.q_norm.weight,
             k_norm=None if attn.k_norm is None else attn.k_norm.weight,
-            window=attn.sliding_window))
-    first = model.layers[0]
-    attn = first.self_attn
-    if not all(layer.input_layernorm.eps == layer.post_attention_layernorm.eps == model.norm.eps
-               for layer in model.layers):
+            window=attn.sliding_window, soft_cap=attn.soft_cap,
+            cos_table=attn.rotary.cos if own_rope else None,
+            sin_table=attn.rotary.sin if own_rope else None,
+            pre_ff_norm=layer.pre_feedforward_layernorm.weight if gemma else None,
+            post_ff_norm=layer.post_feedforward_layernorm.weight if gemma else None))
+    attn = model.layers[0].self_attn
+    # The plan holds one epsilon for the stack's norms, one for the q/k norms, one scale.
+    norms = [model.norm]
+    for layer in model.layers:
+        norms += [layer.input_layernorm, layer.post_attention_layernorm]
+        if gemma:
+            norms += [layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm]
+    if any(norm.eps != model.norm.eps for norm in norms):
         return None
-    # The plan holds one scale and one q/k-norm epsilon for the whole stack.
     if any(layer.self_attn.scale != attn.scale for layer in model.layers):
         return None
     qk_eps = {norm.eps for layer in model.layers
@@ -50,7 +63,7 @@ def build_plan(model: nn.Module, kv_caches: list) -> DecodeStepPlan | None:
     return dispatch.decode_step_plan(layers, attn.num_heads, attn.num_kv_heads, attn.head_dim,
                                      model.rotary.rot_half, model.norm.eps, attn.scale,
                                      model.rotary.cos, model.rotary.sin, model.norm.weight,
-                                     qk_eps.pop() if qk_eps else None)
+                                     qk_eps.pop() if qk_eps else None, gemma)
 
 
 def _is_llama_layer(layer: nn.Module, rotary: nn.Module) -> bool:
@@ -71,14 +84,40 @@ def _is_llama_layer(layer: nn.Module, rotary: nn.Module) -> bool:
             and type(layer.mlp) is SwiGLUMLP)
 
 
+def _is_gemma_layer(layer: nn.Module, model: nn.Module) -> bool:
+    from engine.models.gemma import GemmaAttention, GemmaDecoderLayer
+
+    if type(layer) is not GemmaDecoderLayer:
+        return False
+    attn = layer.self_attn
+    qk_norms = (attn.q_norm, attn.k_norm)
+    norms = (layer.input_layernorm, layer.post_attention_layernorm,
+             layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)
+    return (type(attn) is GemmaAttention
+            and (all(n is None for n in qk_norms)
+                 or all(type(n) is GemmaRMSNorm for n in qk_norms))
+            and (attn.rotary is model.rotary or attn.rotary is model.rotary_local)
+            and all(type(n) is GemmaRMSNorm for n in norms)
+            and type(layer.mlp) is GeGLUMLP)
+
+
 def run(plan: DecodeStepPlan, embedding: torch.Tensor, positions: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor | None:
-    """The hidden state, or None where the plan cannot take this step: per-layer metadata
-    (the KV manager's groups of layers, each with its own block table) is one of those."""
-    if not isinstance(meta, AttentionMetadata):
+    """The hidden state, or None where the plan cannot take this step. Per-layer metadata
+    (the KV manager's groups of layers, each with its own block table and slots: the
+    model runner hands every layer of a group the same object) goes in as one block table
+    and slot per group and each layer's group index."""
+    if isinstance(meta, AttentionMetadata):
+        groups, layer_groups = [meta], None
+    else:
+        index: dict[int, int] = {}
+        layer_groups = tuple(index.setdefault(id(m), len(index)) for m in meta)
+        groups = list({id(m): m for m in meta}.values())  # in first-seen order, as index
+    for group in groups:
+        tables = group.block_tables
+        if tables.dtype != torch.int32 or not tables.is_contiguous():
+            return None
+    if not embedding.is_contiguous():
         return None
-    tables = meta.block_tables
-    if tables.dtype != torch.int32 or not tables.is_contiguous() or not embedding.is_contiguous():
-        return None
-    return plan.run(embedding, int(positions[0]), int(meta.slot_mapping[0]), tables,
-                    int(meta.seq_lens[0]))
+    return plan.run(embedding, int(positions[0]), [int(g.slot_mapping[0]) for g in groups],
+                    [g.block_tables for g in groups], int(groups[0].seq_lens[0]), layer_groups)

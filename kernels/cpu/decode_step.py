@@ -3,11 +3,13 @@
 Python-level kernel calls a layer.
 
 The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
-cache); a step then passes the token's embedding, position, slot and block table.
-Applies on CPU to float32 or bf16 models (activations, norms, rope tables and KV cache
-in one dtype) with dense weights in that dtype, GEMM panels in that dtype or GGUF
-Q4_0/Q4_1/Q8_0 blocks; `plan` returns None otherwise and the caller keeps its own path.
-A layer may add per-head q/k RMSNorms before RoPE (Qwen3) and a sliding window.
+cache); a step then passes the token's embedding, position, and each KV group's slot and
+block table. Applies on CPU to float32 or bf16 models (activations, norms, rope tables
+and KV cache in one dtype) with dense weights in that dtype, GEMM panels in that dtype or
+GGUF Q4_0/Q4_1/Q8_0 blocks; `plan` returns None otherwise and the caller keeps its own
+path. A layer may add per-head q/k RMSNorms before RoPE (Qwen3, Gemma 3), a sliding
+window, a logit soft cap and RoPE tables of its own; the whole stack may be Gemma's layer
+instead of Llama's (`gemma`).
 """
 from __future__ import annotations
 
@@ -32,25 +34,31 @@ class _Linear(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
-                ("input_norm", _P), ("post_norm", _P), ("key_cache", _P), ("value_cache", _P),
-                ("q_norm", _P), ("k_norm", _P), ("window", _I64)]
+                ("input_norm", _P), ("post_norm", _P), ("pre_ff_norm", _P),
+                ("post_ff_norm", _P), ("key_cache", _P), ("value_cache", _P),
+                ("q_norm", _P), ("k_norm", _P), ("cos_table", _P), ("sin_table", _P),
+                ("window", _I64), ("group", _I64), ("soft_cap", ctypes.c_double)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("num_heads", _I64),
                 ("num_kv_heads", _I64), ("head_dim", _I64), ("rot_half", _I64), ("inter", _I64),
-                ("block_size", _I64), ("is_bf16", _I64), ("eps", ctypes.c_double),
-                ("scale", ctypes.c_double), ("qk_eps", ctypes.c_double),
-                ("cos_table", _P), ("sin_table", _P), ("final_norm", _P),
+                ("block_size", _I64), ("is_bf16", _I64), ("gemma", _I64),
+                ("eps", ctypes.c_double), ("scale", ctypes.c_double),
+                ("qk_eps", ctypes.c_double), ("final_norm", _P),
                 ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Group(ctypes.Structure):
+    _fields_ = [("block_table", _P), ("max_blocks", _I64), ("slot", _I64)]
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return cpu_native.bind({
         "decode_step_scratch_floats": (_I64, [ctypes.POINTER(_Model)]),
-        "decode_step": (_I32, [ctypes.POINTER(_Model), _P, _P, _P, _I64, _I64, _P, _I32, _I32,
-                               _I32])})
+        "decode_step": (_I32, [ctypes.POINTER(_Model), _P, _P, _P, _I64,
+                               ctypes.POINTER(_Group), _I32, _I32])})
 
 
 @dataclass(slots=True)
@@ -63,14 +71,23 @@ class LayerWeights:
     gate_up: LinearWeight
     down: LinearWeight
     input_norm: torch.Tensor
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # Gemma: the attention branch's post-norm
     key_cache: torch.Tensor
     value_cache: torch.Tensor
-    # Per-head RMSNorm weights [head_dim] of q and k before RoPE (Qwen3): both or neither.
+    # Per-head RMSNorm weights [head_dim] of q and k before RoPE (Qwen3, Gemma 3): both or
+    # neither.
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
     # Keys a decode row sees, itself included (the attention's sliding_window); None: all.
     window: int | None = None
+    # Attention logits -> soft_cap * tanh(logit / soft_cap) (Gemma 2); None: off.
+    soft_cap: float | None = None
+    # This layer's RoPE tables where they are not the plan's (Gemma 3's local layers).
+    cos_table: torch.Tensor | None = None
+    sin_table: torch.Tensor | None = None
+    # Gemma's MLP norms, before it and on its output: both for a Gemma plan, else neither.
+    pre_ff_norm: torch.Tensor | None = None
+    post_ff_norm: torch.Tensor | None = None
 
 
 # The dense weight types of decode_step.c's linear_t (GGUF blocks carry their type id).
@@ -107,35 +124,55 @@ class DecodeStepPlan:
     """The descriptors and scratch of one model over one KV cache; holds references to
     every tensor it points at."""
 
-    def __init__(self, model: _Model, keep: list, scratch: torch.Tensor) -> None:
-        self._model, self._keep, self._scratch = model, keep, scratch
+    def __init__(self, model: _Model, layers: ctypes.Array, keep: list,
+                 scratch: torch.Tensor) -> None:
+        self._model, self._layers, self._keep, self._scratch = model, layers, keep, scratch
         self.hidden = model.hidden
         self.dtype = torch.bfloat16 if model.is_bf16 else torch.float32
+        # Each layer's KV group, as the last step's metadata had them: every layer in
+        # group 0 until a step says otherwise.
+        self._layer_groups: tuple[int, ...] = (0,) * model.num_layers
+        self._groups = (_Group * model.num_layers)()
 
-    def run(self, embedding: torch.Tensor, position: int, slot: int, block_table: torch.Tensor,
-            seq_len: int) -> torch.Tensor | None:
+    def run(self, embedding: torch.Tensor, position: int, slots: list[int],
+            block_tables: list[torch.Tensor], seq_len: int,
+            layer_groups: tuple[int, ...] | None = None) -> torch.Tensor | None:
         """[1, hidden] final-norm output (the model's dtype) for the token whose embedding
-        is given, writing its K/V at `slot`; None if a kernel refused (the caller's path
-        reruns)."""
+        is given, writing its K/V at its KV group's slot; None if a kernel refused (the
+        caller's path reruns). Group g's slot and block table (the sequence's row, int32
+        contiguous) are slots[g] and block_tables[g]; layer l is in group
+        layer_groups[l] (None: all in group 0)."""
         if embedding.dtype != self.dtype:
             return None
+        if layer_groups is None:
+            layer_groups = (0,) * self._model.num_layers
+        if (len(layer_groups) != self._model.num_layers or len(slots) != len(block_tables)
+                or len(slots) > len(self._groups) or max(layer_groups) >= len(slots)):
+            return None
+        if layer_groups != self._layer_groups:
+            for entry, group in zip(self._layers, layer_groups):
+                entry.group = group
+            self._layer_groups = layer_groups
+        for entry, slot, table in zip(self._groups, slots, block_tables):
+            entry.block_table, entry.max_blocks, entry.slot = (table.data_ptr(),
+                                                               table.shape[-1], slot)
         lib = _library()
         out = torch.empty(1, self.hidden, dtype=self.dtype)
         status = lib.decode_step(ctypes.byref(self._model), embedding.data_ptr(),
-                                 out.data_ptr(), self._scratch.data_ptr(), position, slot,
-                                 block_table.data_ptr(), block_table.shape[-1], seq_len,
-                                 torch.get_num_threads())
+                                 out.data_ptr(), self._scratch.data_ptr(), position,
+                                 self._groups, seq_len, torch.get_num_threads())
         return out if status == 0 else None
 
 
 def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
          rot_half: int, eps: float, scale: float, cos_table: torch.Tensor,
          sin_table: torch.Tensor, final_norm: torch.Tensor,
-         qk_eps: float | None = None) -> DecodeStepPlan | None:
+         qk_eps: float | None = None, gemma: bool = False) -> DecodeStepPlan | None:
     """None when the fused step does not apply (no library, a GPU tensor, a dtype other
     than float32 / bf16 or mixed dtypes, a weight format the kernel lacks); the
     layer-by-layer path then serves. The model's dtype is final_norm's; `qk_eps` is the
-    q/k norms' epsilon, needed where a layer has them."""
+    q/k norms' epsilon, needed where a layer has them. `gemma`: every layer is Gemma's
+    ((1 + w) norms, each with its MLP norms, GeGLU), the final norm too."""
     dtype = final_norm.dtype
     if _library() is None or not layers or dtype not in _DENSE:
         return None
@@ -145,10 +182,26 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
     table = (_Layer * len(layers))()
     for entry, layer in zip(table, layers):
         linears = [_linear(w, dtype) for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        tensors = (layer.key_cache, layer.value_cache, layer.input_norm, layer.post_norm)
-        if (any(lin is None for lin in linears) or not all(_cpu(t, dtype) for t in tensors)
-                or layer.key_cache.shape[1] != block_size):
+        cos, sin = layer.cos_table, layer.sin_table
+        if (cos is None) != (sin is None):
             return None
+        cos, sin = (cos_table, sin_table) if cos is None else (cos, sin)
+        ff_norms = (layer.pre_ff_norm, layer.post_ff_norm)
+        if any((n is None) == gemma for n in ff_norms):
+            return None
+        tensors = (layer.key_cache, layer.value_cache, layer.input_norm, layer.post_norm, cos,
+                   sin, *ff_norms)
+        if (any(lin is None for lin in linears) or not all(_cpu(t, dtype) for t in tensors)
+                or layer.key_cache.shape[1] != block_size or cos.shape != cos_table.shape
+                or sin.shape != sin_table.shape):
+            return None
+        if layer.soft_cap is not None:
+            if not layer.soft_cap > 0:
+                return None
+            entry.soft_cap = layer.soft_cap
+        if gemma:
+            entry.pre_ff_norm, entry.post_ff_norm = (n.data_ptr() for n in ff_norms)
+        entry.cos_table, entry.sin_table = cos.data_ptr(), sin.data_ptr()
         if (layer.q_norm is None) != (layer.k_norm is None):
             return None
         if layer.q_norm is not None:
@@ -168,9 +221,8 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
     hidden = final_norm.shape[0]
     inter = layers[0].down.in_features
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
-                   block_size, int(dtype == torch.bfloat16), eps, scale,
-                   eps if qk_eps is None else qk_eps, cos_table.data_ptr(),
-                   sin_table.data_ptr(), final_norm.data_ptr(), table)
+                   block_size, int(dtype == torch.bfloat16), int(gemma), eps, scale,
+                   eps if qk_eps is None else qk_eps, final_norm.data_ptr(), table)
     scratch = torch.empty(_library().decode_step_scratch_floats(ctypes.byref(model)),
                           dtype=torch.float32)
-    return DecodeStepPlan(model, [table, layers, cos_table, sin_table, final_norm], scratch)
+    return DecodeStepPlan(model, table, [layers, cos_table, sin_table, final_norm], scratch)

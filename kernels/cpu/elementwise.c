@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "gelu.h"
 #include "silu.h"
 
 /* The float32 kernels fork threads only above this many elements. A decode row (a few
@@ -20,6 +21,26 @@
  * than starting a parallel region costs; measured on 2 cores, a second thread starts to
  * pay off between 4K and 8K floats for silu_mul and around 8K for add_rms_norm. */
 #define PARALLEL_MIN_WORK 8192
+
+/* One row of the bf16 norms: res += x (when x is not NULL), rounded to bf16 as torch's
+ * in-place add; returns rsqrt(mean(res^2) + eps) of the updated row, in float32. */
+static inline float add_rms_bf16(const uint16_t *x, uint16_t *res, int64_t hidden, float eps) {
+    float sum = 0.f;
+    if (x != 0) {
+        for (int64_t i = 0; i < hidden; i++) {
+            const uint16_t v = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(x[i]));
+            res[i] = v;
+            const float f = bf16_to_f32(v);
+            sum += f * f;
+        }
+    } else {
+        for (int64_t i = 0; i < hidden; i++) {
+            const float f = bf16_to_f32(res[i]);
+            sum += f * f;
+        }
+    }
+    return 1.f / sqrtf(sum / (float)hidden + eps);
+}
 
 /* residual += x (when x is not NULL); out = bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight)
  * Matches: residual.add_(x); F.rms_norm(residual.float(), ..., None, eps).to(bf16) * weight */
@@ -29,22 +50,7 @@ void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *we
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *res = residual + r * hidden;
         uint16_t *dst = out + r * hidden;
-        float sum = 0.f;
-        if (x != 0) {
-            const uint16_t *src = x + r * hidden;
-            for (int64_t i = 0; i < hidden; i++) {
-                const uint16_t v = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(src[i]));
-                res[i] = v;
-                const float f = bf16_to_f32(v);
-                sum += f * f;
-            }
-        } else {
-            for (int64_t i = 0; i < hidden; i++) {
-                const float f = bf16_to_f32(res[i]);
-                sum += f * f;
-            }
-        }
-        const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+        const float inv = add_rms_bf16(x == 0 ? 0 : x + r * hidden, res, hidden, eps);
         for (int64_t i = 0; i < hidden; i++) {
             const float normed = round_bf16(bf16_to_f32(res[i]) * inv);
             dst[i] = f32_to_bf16(normed * bf16_to_f32(weight[i]));
@@ -60,6 +66,34 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter;
         silu_mul_row_bf16(gate, gate + inter, out + r * inter, inter);
+    }
+}
+
+/* Gemma's RMSNorm: residual += x (when x is not NULL);
+ * out = bf16(residual * rsqrt(mean(residual^2) + eps) * (1 + weight)), the (1 + w) scale
+ * and both products in float32 and one rounding at the end.
+ * Matches: layers.GemmaRMSNorm (HF's; add_rms_norm_bf16 rounds before its weight). */
+void gemma_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
+                         uint16_t *out, int64_t rows, int64_t hidden, float eps,
+                         int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        uint16_t *res = residual + r * hidden;
+        uint16_t *dst = out + r * hidden;
+        const float inv = add_rms_bf16(x == 0 ? 0 : x + r * hidden, res, hidden, eps);
+        for (int64_t i = 0; i < hidden; i++)
+            dst[i] = f32_to_bf16(bf16_to_f32(res[i]) * inv * (1.f + bf16_to_f32(weight[i])));
+    }
+}
+
+/* out[r, i] = bf16(bf16(gelu_tanh(gate_up[r, i])) * gate_up[r, inter + i])
+ * Matches: F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:]) (gelu.h) */
+void gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
+                        int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    for (int64_t r = 0; r < rows; r++) {
+        const uint16_t *gate = gate_up + r * 2 * inter;
+        gelu_mul_row_bf16(gate, gate + inter, out + r * inter, inter);
     }
 }
 
@@ -145,6 +179,16 @@ void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_
     }
 }
 
+/* The float32 norms' row: res += x (when x is not NULL); returns
+ * rsqrt(mean(res^2) + eps) of the updated row. */
+static inline float add_rms_f32(const float *x, float *res, int64_t hidden, float eps) {
+    if (x != 0)
+        for (int64_t i = 0; i < hidden; i++) res[i] += x[i];
+    float sum = 0.f;
+    for (int64_t i = 0; i < hidden; i++) sum += res[i] * res[i];
+    return 1.f / sqrtf(sum / (float)hidden + eps);
+}
+
 /* float32 add_rms_norm: residual += x (when x is not NULL);
  * out = (residual * rsqrt(mean(residual^2) + eps)) * weight, all in float32.
  * Matches reference.add_rms_norm for float32 up to the order of the float32 sum. */
@@ -155,13 +199,7 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * hidden;
         float *dst = out + r * hidden;
-        if (x != 0) {
-            const float *src = x + r * hidden;
-            for (int64_t i = 0; i < hidden; i++) res[i] += src[i];
-        }
-        float sum = 0.f;
-        for (int64_t i = 0; i < hidden; i++) sum += res[i] * res[i];
-        const float inv = 1.f / sqrtf(sum / (float)hidden + eps);
+        const float inv = add_rms_f32(x == 0 ? 0 : x + r * hidden, res, hidden, eps);
         for (int64_t i = 0; i < hidden; i++) dst[i] = (res[i] * inv) * weight[i];
     }
 }
@@ -178,6 +216,33 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
         for (int64_t i = 0; i < inter; i++) {
             dst[i] = silu(gate[i]) * up[i];
         }
+    }
+}
+
+/* float32 Gemma RMSNorm: residual += x (when x is not NULL);
+ * out = residual * rsqrt(mean(residual^2) + eps) * (1 + weight). */
+void gemma_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
+                        int64_t rows, int64_t hidden, float eps, int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if(rows * hidden > PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        float *res = residual + r * hidden;
+        float *dst = out + r * hidden;
+        const float inv = add_rms_f32(x == 0 ? 0 : x + r * hidden, res, hidden, eps);
+        for (int64_t i = 0; i < hidden; i++) dst[i] = res[i] * inv * (1.f + weight[i]);
+    }
+}
+
+/* float32 gelu_tanh_mul: out[r, i] = gelu_tanh(gate_up[r, i]) * gate_up[r, inter + i]. */
+void gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
+                       int num_threads) {
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if(rows * inter > PARALLEL_MIN_WORK)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *gate = gate_up + r * 2 * inter;
+        const float *up = gate + inter;
+        float *dst = out + r * inter;
+        for (int64_t i = 0; i < inter; i++) dst[i] = gelu_tanh(gate[i]) * up[i];
     }
 }
 

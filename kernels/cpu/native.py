@@ -113,6 +113,10 @@ def load_library() -> ctypes.CDLL | None:
         "silu_mul_f32": (None, [ptr, ptr, i64, i64, i32]),
         "rope_f32": (None, [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, i32]),
         "reshape_and_cache_32": (None, [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i32]),
+        "gemma_rms_norm_bf16": (None, [ptr] * 4 + [i64, i64, f32, i32]),
+        "gemma_rms_norm_f32": (None, [ptr] * 4 + [i64, i64, f32, i32]),
+        "gelu_tanh_mul_bf16": (None, [ptr, ptr, i64, i64, i32]),
+        "gelu_tanh_mul_f32": (None, [ptr, ptr, i64, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -146,12 +150,24 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
                  eps: float) -> torch.Tensor | None:
     """residual += x (in place, if x is given); returns rms_norm(residual) * weight, or
     None when the fused kernel does not apply (not bf16/float32, contiguous, CPU; no library)."""
+    return _row_norm("add_rms_norm", x, residual, weight, eps)
+
+
+def gemma_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float) -> torch.Tensor | None:
+    """As add_rms_norm with Gemma's (1 + weight) scale, applied in float32 before the one
+    rounding to the dtype (layers.GemmaRMSNorm)."""
+    return _row_norm("gemma_rms_norm", x, residual, weight, eps)
+
+
+def _row_norm(name: str, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+              eps: float) -> torch.Tensor | None:
     lib = load_library()
     operands = (residual, weight) if x is None else (x, residual, weight)
     if (lib is None or residual.dim() != 2 or residual.dtype not in _ELEMENTWISE
             or not _cpu_contiguous(residual.dtype, *operands)):
         return None
-    kernel = lib.add_rms_norm_bf16 if residual.dtype == torch.bfloat16 else lib.add_rms_norm_f32
+    kernel = getattr(lib, f"{name}_{'bf16' if residual.dtype == torch.bfloat16 else 'f32'}")
     out = torch.empty_like(residual)
     kernel(None if x is None else x.data_ptr(), residual.data_ptr(), weight.data_ptr(),
            out.data_ptr(), residual.shape[0], residual.shape[1], float(eps),
@@ -161,11 +177,20 @@ def add_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.T
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     """silu(gate) * up for gate_up = [gate | up] along the last dim; None if not applicable."""
+    return _gated("silu_mul", gate_up)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gelu(gate, approximate="tanh") * up (Gemma's GeGLU), as silu_mul."""
+    return _gated("gelu_tanh_mul", gate_up)
+
+
+def _gated(name: str, gate_up: torch.Tensor) -> torch.Tensor | None:
     lib = load_library()
     if (lib is None or gate_up.dim() != 2 or gate_up.dtype not in _ELEMENTWISE
             or not _cpu_contiguous(gate_up.dtype, gate_up)):
         return None
-    kernel = lib.silu_mul_bf16 if gate_up.dtype == torch.bfloat16 else lib.silu_mul_f32
+    kernel = getattr(lib, f"{name}_{'bf16' if gate_up.dtype == torch.bfloat16 else 'f32'}")
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
     kernel(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, torch.get_num_threads())

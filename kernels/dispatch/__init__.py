@@ -11,8 +11,8 @@ Each op goes, by the device of its tensors:
 The torch versions (kernels/torch_ops.py) define every op's semantics. Adding a device or
 an ISA-specific kernel means one more branch in the module that owns the op; the callers
 do not change. One module a kind of op: attention (paged attention, KV writes),
-elementwise (norms, silu_mul, rope, argmax), matmul (dense linear layers: `prepare_linear`
-lays a loaded weight out once, `linear` picks by its kind and the row count; the fused
+elementwise (norms, silu_mul / gelu_tanh_mul, rope, argmax), matmul (dense linear layers:
+`prepare_linear` lays a loaded weight out once, `linear` picks by its kind and the row count; the fused
 single-sequence step), gguf (quantized blocks) and lora (adapter updates).
 
 Batch-invariant mode (the engine's batch_invariant) takes the row count out of every
@@ -37,7 +37,8 @@ from kernels.cpu.features import detect as detect_cpu  # noqa: F401
 from kernels.dispatch.attention import (BF16_AMX_PREFILL_MIN_WORK,  # noqa: F401
                                         BF16_AMX_TILE_MAX_WORK, paged_attention,
                                         reshape_and_cache, warm_up)
-from kernels.dispatch.elementwise import add_rms_norm, argmax_rows, rope, silu_mul  # noqa: F401
+from kernels.dispatch.elementwise import (add_rms_norm, argmax_rows, gelu_tanh_mul,  # noqa: F401
+                                         gemma_rms_norm, rope, silu_mul)
 from kernels.dispatch.gguf import (GGUF_AMX_MIN_ROWS, GGUF_DENSE_MIN_ROWS,  # noqa: F401
                                    GGUF_PANEL_MIN_ROWS, gguf_embedding, gguf_kernel_available,
                                    gguf_linear, prepare_gguf)

@@ -1,4 +1,4 @@
-"""Row-wise ops: add_rms_norm, silu_mul, rope, argmax_rows (the native CPU kernel where
+"""Row-wise ops: add_rms_norm, gemma_rms_norm, silu_mul, gelu_tanh_mul, rope, argmax_rows (the native CPU kernel where
 it takes the case, else torch)."""
 from __future__ import annotations
 
@@ -28,6 +28,28 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         if out is not None:
             return out
     return torch_ops.silu_mul(gate_up)
+
+
+def gemma_rms_norm(x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor,
+                   eps: float, batch_invariant: bool = False) -> torch.Tensor:
+    """add_rms_norm with Gemma's (1 + weight) scale, applied in float32 before the one
+    rounding to the dtype."""
+    if not residual.is_cuda:
+        out = cpu_native.gemma_rms_norm(x, residual, weight, eps)
+        if out is not None:
+            return out
+    if batch_invariant:
+        return torch_invariant.gemma_rms_norm(x, residual, weight, eps)
+    return torch_ops.gemma_rms_norm(x, residual, weight, eps)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, approximate="tanh") * up for gate_up = [gate | up] (Gemma's GeGLU)."""
+    if not gate_up.is_cuda:
+        out = cpu_native.gelu_tanh_mul(gate_up)
+        if out is not None:
+            return out
+    return torch_ops.gelu_tanh_mul(gate_up)
 
 
 def rope(qkv: torch.Tensor, num_heads: int, head_dim: int, rot_half: int,

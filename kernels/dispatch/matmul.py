@@ -199,10 +199,11 @@ def build_matmul_primitives(weights: Iterable[tuple[LinearWeight, int]]) -> int:
 def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int,
                      head_dim: int, rot_half: int, eps: float, scale: float,
                      cos_table: torch.Tensor, sin_table: torch.Tensor,
-                     final_norm: torch.Tensor,
-                     qk_eps: float | None = None) -> DecodeStepPlan | None:
+                     final_norm: torch.Tensor, qk_eps: float | None = None,
+                     gemma: bool = False) -> DecodeStepPlan | None:
     """A single sequence's decode step through every layer in one native call (float32
     or bf16 on CPU; kernels/cpu/decode_step.py), or None where it does not apply.
-    `qk_eps`: the q/k norms' epsilon, where layers have them (Qwen3)."""
+    `qk_eps`: the q/k norms' epsilon, where layers have them (Qwen3, Gemma 3); `gemma`:
+    the layers are Gemma's ((1 + w) norms, four a layer, GeGLU)."""
     return cpu_decode_step.plan(layers, num_heads, num_kv_heads, head_dim, rot_half, eps,
-                                scale, cos_table, sin_table, final_norm, qk_eps)
+                                scale, cos_table, sin_table, final_norm, qk_eps, gemma)

@@ -199,24 +199,23 @@ def _fresh_cache(loaded):
     return builder.new_kv_caches(loaded, torch.float32), builder
 
 
-def test_fused_single_decode_runs_llama_layers_only(family):
+def test_fused_single_decode_plans_every_family(family):
     """The native single-sequence step implements Llama's layer, with Qwen3's q/k norms
-    and a window (test_single_decode_families.py checks those to the bit); every other
-    layer (a soft cap, Gemma's norms) must keep the layer-by-layer path."""
-    name, _, loaded, _ = family
+    and a window, and Gemma's (test_single_decode_families.py checks them to the bit):
+    every family here plans it where the native build exists, and takes it with per-layer
+    metadata too (the KV manager's groups)."""
+    from kernels.cpu import native as cpu_native
+
+    _, _, loaded, _ = family
     builder = PagedBatchBuilder(block_size=4, num_blocks=8)
     kv = builder.new_kv_caches(loaded, torch.float32)
     plan = single_decode.build_plan(loaded.model.model, kv)
-    if not name.startswith("gemma"):  # only a native build can plan it
-        from kernels.cpu import native as cpu_native
-        assert (plan is not None) == (cpu_native.load_library() is not None)
-    else:
-        assert plan is None
+    assert (plan is not None) == (cpu_native.load_library() is not None)
     if plan is not None:
         _, positions, meta = builder.build([("S", [5], 0)])
         metas = per_layer(meta, loaded.num_layers)
-        assert single_decode.run(plan, torch.zeros(1, loaded.hidden_size), positions,
-                                 metas) is None
+        hidden = single_decode.run(plan, torch.zeros(1, loaded.hidden_size), positions, metas)
+        assert hidden is not None and hidden.shape == (1, loaded.hidden_size)
 
 
 def test_batch_invariant_mode_covers_every_norm(family):

@@ -1,7 +1,8 @@
 """A single sequence's decode step in one native call (engine/models/single_decode.py)
 gives bit-equal results to the layer-by-layer path it skips: same tokens, same logprobs,
 same K/V, for dense float32 and bf16 (Llama, Qwen2 with q/k/v biases, Qwen3's q/k norms,
-Mistral's window, whose blocks behind it the engine frees while the request runs) and
+Mistral's window, whose blocks behind it the engine frees while the request runs, Gemma 2
+and 3, whose windowed and full layers the engine keeps in KV groups of their own) and
 GGUF-quantized weights under float32 and bf16 activations. Step by step, with NaN
 placeholders behind windows and GGUF weights on the new families:
 test_single_decode_families.py."""
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.models import single_decode
 from kernels.cpu import native as cpu_native
 from testing.tiny_model import make_tiny_model_dir
 
@@ -36,18 +38,31 @@ def one_at_a_time(llm: LLM, single_decode: bool, max_tokens: int = 12):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-# PROMPTS plus 12 tokens run past mistral-window's window of 12.
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window"])
-def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path):
+# PROMPTS plus 12 tokens run past mistral-window's window of 12 and the Gemmas' of 10.
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window", "gemma2",
+                                  "gemma3"])
+def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path, monkeypatch):
     path = make_tiny_model_dir(tmp_path, arch=arch, seed=11, num_hidden_layers=3)
 
     def engine():
         return LLM(str(path), dtype=dtype, num_kv_blocks=64, block_size=8, max_model_len=128)
 
+    # Every fused step's result: a None would be a step the layer path took instead (the
+    # Gemmas get per-layer metadata, their windowed and full layers in KV groups of
+    # their own).
+    steps = []
+
+    def recording_run(*args):
+        steps.append(fused_run(*args))
+        return steps[-1]
+
+    fused_run = single_decode.run
+    monkeypatch.setattr(single_decode, "run", recording_run)
     plain, no_plan = one_at_a_time(engine(), False)
     fused, plan = one_at_a_time(engine(), True)
-    assert no_plan is None and plan is not None and plan[1] is not None  # it ran
+    assert no_plan is None and plan is not None and plan[1] is not None  # it planned
     assert plan[1].dtype == getattr(torch, dtype)
+    assert steps and all(hidden is not None for hidden in steps)  # and ran every decode
     assert fused == plain  # token ids and logprob floats, exactly
 
 

@@ -1,11 +1,15 @@
 """The fused single-sequence decode step (engine/models/single_decode.py) on the layers
-beyond Llama's that it runs: Qwen3's per-head q/k norms and sliding windows (Mistral,
-Phi-3, windowed Qwen3). Each step is checked against the layer-by-layer path to the bit:
-the hidden state and every K/V written, float32 and bf16, dense and GGUF-quantized
+beyond Llama's that it runs: Qwen3's per-head q/k norms, sliding windows (Mistral,
+Phi-3, windowed Qwen3) and Gemma's layer (Gemma 2's logit soft cap, Gemma 3's q/k norms
+and local RoPE, head_dim 256). Each step is checked against the layer-by-layer path to the
+bit: the hidden state and every K/V written, float32 and bf16, dense and GGUF-quantized
 weights, contexts past the window with the blocks behind it NaN-filled placeholders that
-neither path may read. Gemma keeps the layer-by-layer path (its norms and GeGLU are
-torch ops the C step does not reproduce), which the last test pins."""
+neither path may read. Then hybrid KV layouts, windowed and full layers each with their
+own block table (per-layer metadata), which must take the fused step too; and Gemma's
+native norm and GeGLU kernels, which both paths run, against HF's torch ops."""
 from __future__ import annotations
+
+import dataclasses
 
 import gguf
 import numpy as np
@@ -16,6 +20,7 @@ from gguf import quants
 from engine.models import load_model
 from engine.models import single_decode
 from engine.models.layers import Linear
+from kernels import torch_ops
 from kernels.cpu import native as cpu_native
 from kernels.gguf_weight import GgufWeight
 from testing.model_batch import PagedBatchBuilder
@@ -32,6 +37,11 @@ FAMILIES = {
                                    max_window_layers=0), [WINDOW, WINDOW]),
     "mistral-window": ("mistral-window", {}, [WINDOW, WINDOW]),
     "phi3-window": ("phi3", dict(sliding_window=WINDOW), [WINDOW, WINDOW]),
+    # Windowed and full layers over one block table: nothing behind a window is freed.
+    "gemma2": ("gemma2", {}, [10, None]),
+    "gemma2-hd256": ("gemma2", dict(head_dim=256, num_attention_heads=2, num_key_value_heads=1,
+                                    query_pre_attn_scalar=256), [10, None]),
+    "gemma3": ("gemma3", {}, [10, None, 10]),
 }
 BLOCK = 4
 PROMPT_LEN = 21   # past the window already, so the first decode has blocks behind it
@@ -104,7 +114,8 @@ def test_fused_step_is_bit_equal_to_the_layer_path(family_dir, dtype, weights):
         _quantize_layers(loaded, weights)
     model = loaded.model
     assert [layer.self_attn.sliding_window for layer in model.model.layers] == windows
-    window = windows[0]
+    # One table for every layer: blocks are freed behind a window only if all layers have it.
+    window = windows[0] if len(set(windows)) == 1 else None
     builder = PagedBatchBuilder(block_size=BLOCK, num_blocks=24)
     kv = builder.new_kv_caches(loaded, dtype)
     placeholder = builder._next_free.pop()  # never a sequence's block
@@ -133,8 +144,115 @@ def test_fused_step_is_bit_equal_to_the_layer_path(family_dir, dtype, weights):
         token = int(model.compute_logits(fused).argmax())
 
 
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_gemma_keeps_the_layer_path(arch, tmp_path):
-    loaded = load_model(make_tiny_model_dir(tmp_path, arch=arch, seed=5), torch.float32)
-    kv = PagedBatchBuilder(block_size=BLOCK, num_blocks=8).new_kv_caches(loaded, torch.float32)
-    assert single_decode.build_plan(loaded.model.model, kv) is None
+# name -> (tiny_model arch, config overrides): windowed and full layers side by side.
+HYBRID = {
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    # Qwen's layers from max_window_layers on are windowed.
+    "qwen3-hybrid": ("qwen3", dict(sliding_window=WINDOW, use_sliding_window=True,
+                                   max_window_layers=1)),
+}
+
+
+class _GroupedKV:
+    """The KV manager's hybrid layout for one sequence: the full layers' blocks and the
+    windowed layers' blocks from pools of their own (different sizes, so the blocks and
+    slots of the two groups differ), each with its own block table, and so one metadata
+    per group, handed to every layer of that group."""
+
+    def __init__(self, loaded, dtype) -> None:
+        self.windows = loaded.sliding_windows
+        self.builders = {False: PagedBatchBuilder(block_size=BLOCK, num_blocks=24),
+                         True: PagedBatchBuilder(block_size=BLOCK, num_blocks=31)}
+        caches = {g: b.new_kv_caches(loaded, dtype) for g, b in self.builders.items()}
+        self.kv = [caches[w is not None][i] for i, w in enumerate(self.windows)]
+        self.placeholder = self.builders[True]._next_free.pop()  # never a sequence's block
+
+    def build(self, tokens: list[int], position: int):
+        built = {g: b.build([("S", tokens, position)]) for g, b in self.builders.items()}
+        ids, positions, _ = built[False]
+        return ids, positions, [built[w is not None][2] for w in self.windows]
+
+    def hide_behind_window(self, metas: list, seq_len: int) -> list:
+        """The windowed group's table with its blocks wholly behind the window pointing at
+        a NaN placeholder, and those blocks NaN in the windowed layers' caches (the KV
+        manager frees them); the full group's table as it is."""
+        windowed = [(kv, w) for kv, w in zip(self.kv, self.windows) if w is not None]
+        window = windowed[0][1]
+        table = _hide_blocks_behind_window([kv for kv, _ in windowed],
+                                           self.builders[True].block_tables["S"], seq_len,
+                                           window, self.placeholder)
+        for (key_cache, value_cache), _ in windowed:
+            key_cache[self.placeholder] = float("nan")
+            value_cache[self.placeholder] = float("nan")
+        hidden = {}
+        for meta, w in zip(metas, self.windows):
+            if w is not None and id(meta) not in hidden:
+                hidden[id(meta)] = dataclasses.replace(meta, block_tables=table)
+        return [hidden.get(id(meta), meta) for meta in metas]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(HYBRID))
+def test_hybrid_kv_groups_take_the_fused_step(name, dtype, tmp_path, monkeypatch):
+    arch, overrides = HYBRID[name]
+    loaded = load_model(make_tiny_model_dir(tmp_path, arch=arch, seed=5, **overrides), dtype)
+    model = loaded.model
+    assert None in loaded.sliding_windows and any(loaded.sliding_windows)  # hybrid
+    results = []
+
+    def recording_run(*args):
+        results.append(single_decode_run(*args))
+        return results[-1]
+
+    single_decode_run = single_decode.run
+    monkeypatch.setattr(single_decode, "run", recording_run)
+    grouped = _GroupedKV(loaded, dtype)
+    gen = torch.Generator().manual_seed(9)
+    prompt = torch.randint(3, 1000, (PROMPT_LEN,), generator=gen).tolist()
+    ids, positions, metas = grouped.build(prompt, 0)
+    with torch.inference_mode():
+        hidden = model(ids, positions, grouped.kv, metas)[-1:]
+    token = int(model.compute_logits(hidden).argmax())
+    for step in range(DECODE_STEPS):
+        position = PROMPT_LEN + step
+        ids, positions, metas = grouped.build([token], position)
+        metas = grouped.hide_behind_window(metas, position + 1)
+        layered_kv = [(k.clone(), v.clone()) for k, v in grouped.kv]
+        model.model.fused_single_decode = False
+        with torch.inference_mode():
+            layered = model(ids, positions, layered_kv, metas)
+        model.model.fused_single_decode = True
+        results.clear()
+        with torch.inference_mode():
+            fused = model(ids, positions, grouped.kv, metas)
+        assert len(results) == 1 and results[0] is not None, "the fused step did not run"
+        assert torch.isfinite(fused).all()
+        assert torch.equal(fused, layered), f"{name} step {step}"
+        for (k, v), (k_ref, v_ref) in zip(grouped.kv, layered_kv):
+            assert torch.equal(_bits(k), _bits(k_ref)) and torch.equal(_bits(v), _bits(v_ref))
+        token = int(model.compute_logits(fused).argmax())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_kernels_track_hf_torch_ops(dtype):
+    """The native (1 + w) norm and GeGLU the layer path and the fused step share, against
+    HF's torch op sequences (kernels/torch_ops.py): the norm to the order of a float32
+    sum (bf16: within one rounding), GELU's tanh as exp (cancellation in torch's 1 + tanh
+    makes its far negative tail the less accurate one, so that tail is bounded
+    absolutely)."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 1152, generator=gen).to(dtype)
+    residual = (4 * torch.randn(3, 1152, generator=gen)).to(dtype)
+    weight = (0.5 * torch.randn(1152, generator=gen)).to(dtype)
+    ours_residual, ref_residual = residual.clone(), residual.clone()
+    ours = cpu_native.gemma_rms_norm(x, ours_residual, weight, 1e-6)
+    ref = torch_ops.gemma_rms_norm(x, ref_residual, weight, 1e-6)
+    assert torch.equal(ours_residual, ref_residual)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(ours, ref, **tol)
+    gate_up = (3 * torch.randn(2, 2 * 1000, generator=gen)).to(dtype)
+    gate_up[0, :8] = torch.tensor([-1e4, -20., -9., 0., 1e-3, 9., 20., 1e4])
+    ours, ref = cpu_native.gelu_tanh_mul(gate_up), torch_ops.gelu_tanh_mul(gate_up)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-5, rtol=2 ** -7)
+    torch.testing.assert_close(ours, ref, **tol)
