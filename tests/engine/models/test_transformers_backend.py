@@ -334,3 +334,48 @@ def test_checkpoint_mismatches_are_reported(tmp_path):
     renamed = {k.removeprefix("model."): v for k, v in state.items()}
     renamed["layers.0.self_attn.rotary_emb.inv_freq"] = torch.zeros(4)
     model.load_weights(renamed.items())
+
+
+def test_prepack_runs_norms_rope_and_sibling_linears_natively(tmp_path):
+    """What prepack swaps in besides the linears, each only where it computes what HF's
+    code does: OLMo 2's RMSNorms and rotate-half RoPE go to the native kernels and its
+    q/k/v (and gate/up) run as one stacked matmul; Cohere's mean-subtracting LayerNorm and
+    interleaved RoPE stay HF's. The outputs themselves are checked against HF above."""
+    import functools
+
+    from torch import nn
+
+    from engine.models import transformers_backend as tb
+
+    olmo2 = make_tiny_hf_dir(tmp_path / "olmo2", "olmo2")
+    model = load_model(olmo2, torch.float32, model_impl="transformers").model
+    layer = model.hf.model.layers[0]
+    attn, mlp = layer.self_attn, layer.mlp
+
+    def native_norm(module):
+        forward = module.__dict__.get("forward")
+        return isinstance(forward, functools.partial) and forward.func is tb._norm_forward
+
+    assert native_norm(layer.post_attention_layernorm) and native_norm(attn.q_norm)
+    assert "forward" in attn.__dict__  # the copy whose RoPE is _native_rope
+    assert type(attn).forward is not attn.__dict__["forward"].__func__  # the class is untouched
+    stacked = {m: m.forward.func.__self__ for m in (attn.q_proj, attn.k_proj, attn.v_proj,
+                                                    mlp.gate_proj, mlp.up_proj)}
+    assert stacked[attn.q_proj] is stacked[attn.k_proj] is stacked[attn.v_proj]
+    assert stacked[mlp.gate_proj] is stacked[mlp.up_proj] is not stacked[attn.q_proj]
+    assert isinstance(stacked[attn.q_proj], tb._SharedInputLinears)
+    assert attn.o_proj.forward.func is tb._prepared_linear
+    # A member called alone, or on its own tensor, still answers its own columns.
+    hf_attn = hf_causal_lm(olmo2, torch.float32, attn_implementation="eager").model.layers[0].self_attn
+    x, y = torch.randn(3, attn.q_proj.in_features), torch.randn(2, attn.q_proj.in_features)
+    with torch.inference_mode():
+        got = [attn.k_proj(x), attn.v_proj(y), attn.v_proj(x), attn.v_proj(x)]
+    for out, proj, inp in zip(got, ("k_proj", "v_proj", "v_proj", "v_proj"), (x, y, x, x)):
+        torch.testing.assert_close(out, nn.functional.linear(inp, getattr(hf_attn, proj).weight),
+                                   atol=1e-5, rtol=1e-5)
+
+    cohere = load_model(make_tiny_hf_dir(tmp_path / "cohere", "cohere"), torch.float32,
+                        model_impl="transformers").model
+    cohere_layer = cohere.hf.model.layers[0]
+    assert not native_norm(cohere_layer.input_layernorm)
+    assert "forward" not in cohere_layer.self_attn.__dict__
