@@ -9,7 +9,11 @@ REQUEST_DEADLINE_S a request still unfinished that long after its arrival is abo
 client that never reads holds its slots otherwise: the backend only sees cancellation). An
 exception escaping the loop outside engine.step() ends the thread, but never silently:
 every queued and in-flight request gets UNAVAILABLE, so does every later one, and
-`on_death` lets the model report itself unhealthy."""
+`on_death` lets the model report itself unhealthy.
+
+Over 300 lines: the engine thread, its admission, deadlines and failure handling share
+one lock and one set of request maps; backend/'s move (issue 48 item 3) splits it by
+concern."""
 from __future__ import annotations
 
 import collections

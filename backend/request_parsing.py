@@ -4,6 +4,9 @@ Pure Python (numpy only) so every rule here is unit-tested without a server. The
 rules follow triton-inference-server/vllm_backend so its clients work unchanged,
 except that values given as strings are parsed by engine/values.py, the converter
 config.pbtxt parameters go through too ("false" is False, not truthy).
+
+Over 300 lines: vllm_backend's request keys, a rule each, kept together so they can be
+read against vllm_backend's; backend/'s move (issue 48 item 3) splits it by input.
 """
 from __future__ import annotations
 

@@ -8,6 +8,9 @@ tritonserver runs in its own process group (its python backend stubs join it) an
 outlives the process that started it: on Linux it gets SIGKILL when the starting thread
 dies (PR_SET_PDEATHSIG), and a small reaper process SIGKILLs the whole group, stubs
 included, once the starting process is gone or has stopped the server.
+
+Over 300 lines: starting, watching and reaping tritonserver share the process-group
+handling; it moves to its own package with issue 48 item 3.
 """
 from __future__ import annotations
 

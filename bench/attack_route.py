@@ -9,6 +9,9 @@ It starts a tritonserver with one `llm` model and `python -m openai_frontend` in
 it, run from --route-tree (default: this checkout; pass a copy of an older tree to get
 the "before" figures; the route keeps its default flags either way). Not a test: it
 prints figures.
+
+Over 300 lines: every attack and its bystander in one script, so one command gives the
+whole table; bench/'s move (issue 48 item 2) splits it.
 """
 from __future__ import annotations
 

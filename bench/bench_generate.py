@@ -22,6 +22,9 @@ Workloads (greedy, ignore_eos so lengths are exact; --num-prompts N keeps the fi
             including prefill
   lora      (--workload lora only) the fixed workload over --lora-adapters random adapters
             of --lora-rank + the base, vs the base alone and vLLM CPU (bench/lora_workload.py)
+
+Over 300 lines: the peers' command line and the alternated rounds; bench/'s move (issue
+48 item 2) splits main.
 """
 from __future__ import annotations
 

@@ -17,6 +17,9 @@ INVALID_ARG). Figures measured on the 2-core AVX2 AMD EPYC dev host, CPython 3.1
 - MAX_STOP_TOKEN_SEQUENCES = 256 id sequences of at most MAX_STOP_SEQUENCE_IDS = 256 ids,
   MAX_STOP_SEQUENCE_IDS_TOTAL = 4,096 ids in all (the token path's stop words): a new
   token is compared with the sequences ending in it, at worst every id of every one.
+
+Over 300 lines: SamplingParams and StructuredOutputsParams with their limits in one
+module, as vLLM keeps them; each limit's figure is documented where it is checked.
 """
 from __future__ import annotations
 

@@ -33,6 +33,9 @@ of a stub's death by itself before serve looks (Triton's python backend aborts o
 boost::interprocess::lock_exception now and then): --health-check starts it again after
 any crash (a signal serve did not send) once it had been ready, and only then, so a
 server that cannot start is not started again and again.
+
+Over 300 lines: every serve flag maps to a config.pbtxt parameter or a tritonserver
+option here, in the one table --help shows.
 """
 from __future__ import annotations
 

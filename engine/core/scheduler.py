@@ -1,5 +1,9 @@
 """vLLM-V1-style scheduler: one token budget per step, RUNNING first, then WAITING;
-prefill and decode are the same thing (computed tokens catching up with tokens)."""
+prefill and decode are the same thing (computed tokens catching up with tokens).
+
+Over 300 lines: schedule() is vLLM V1's one pass (running, then waiting, then the
+output) whose phases share the step's budget and lists; admission, queues and partial
+prefills already live beside it."""
 from __future__ import annotations
 
 import time

@@ -1,7 +1,10 @@
 """Llama-family decoder (Llama / SmolLM2 / TinyLlama / Mistral / Qwen2) over a paged KV cache.
 
 Parameter names mirror HF's except that q/k/v and gate/up are fused at load time
-(qkv_proj, gate_up_proj): one matmul each instead of three and two."""
+(qkv_proj, gate_up_proj): one matmul each instead of three and two.
+
+Over 300 lines: the decoder layers and weight loader every native family subclasses
+(qwen3, gemma, phi3, the MoE families)."""
 from __future__ import annotations
 
 import re

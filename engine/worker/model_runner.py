@@ -5,7 +5,10 @@ and layer l uses its slot's tensor through its group's block table. A model of o
 (Llama, Mistral) gets one AttentionMetadata for every layer, as before groups existed
 (the fused single-sequence decode and the CUDA graphs read it); a hybrid one gets one per
 layer, each its group's (block tables and slot mapping per group; query_start_loc and
-seq_lens shared)."""
+seq_lens shared).
+
+Over 300 lines: a step's batch tensors, per-group metadata, forward and sampling share
+the runner's persistent buffers."""
 from __future__ import annotations
 
 from dataclasses import dataclass

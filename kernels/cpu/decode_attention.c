@@ -15,6 +15,9 @@
  * KV manager frees them while the request runs, their table entries naming a placeholder
  * of garbage), so a windowed decode costs O(W) whatever the context. Soft cap (0: none):
  * each scaled score s becomes cap * tanh(s / cap) before the softmax (soft_cap.h).
+ *
+ * Over 300 lines: the AVX-512, AVX2 and portable variants of one decode loop side by
+ * side, so each is checked against the others.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +25,7 @@
 
 #include "bf16.h"
 #include "soft_cap.h"
+#include "decode_attention.h"
 
 #define MAX_HEAD_DIM 256
 #define MAX_HEADS 128

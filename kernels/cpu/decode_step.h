@@ -1,56 +1,14 @@
-/* What decode_step.c chains: the kernels of this library's other sources it calls, as
- * they define them (declared here, never copied), and the one-row dispatch over a
- * matmul's weight format. */
+/* What decode_step.c chains: the kernels of this library's other sources, through their
+ * families' headers (which their own sources include, so a signature cannot drift), and
+ * the one-row dispatch over a matmul's weight format. */
 #ifndef TLE_DECODE_STEP_H
 #define TLE_DECODE_STEP_H
 #include <stdint.h>
 
-void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
-                      int64_t rows, int64_t hidden, float eps, int num_threads);
-void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
-                       uint16_t *out, int64_t rows, int64_t hidden, float eps, int num_threads);
-void gemma_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
-                        int64_t rows, int64_t hidden, float eps, int num_threads);
-void gemma_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
-                         uint16_t *out, int64_t rows, int64_t hidden, float eps,
-                         int num_threads);
-void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
-                  int num_threads);
-void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
-                   int num_threads);
-void gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
-                       int num_threads);
-void gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
-                        int num_threads);
-void rope_f32(const float *qkv, int64_t row_stride, int64_t rows, int64_t heads, int64_t dim,
-              int64_t rot_half, const int64_t *positions, const float *cos_table,
-              const float *sin_table, float *out, int num_threads);
-void rope_bf16(const uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t heads,
-               int64_t dim, int64_t rot_half, const int64_t *positions, const uint16_t *cos_table,
-               const uint16_t *sin_table, uint16_t *out, int num_threads);
-void reshape_and_cache_32(const uint32_t *key, int64_t key_stride, const uint32_t *value,
-                          int64_t value_stride, uint32_t *key_cache, uint32_t *value_cache,
-                          const int64_t *slots, int64_t tokens, int64_t row, int num_threads);
-void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_t *value,
-                          int64_t value_stride, uint16_t *key_cache, uint16_t *value_cache,
-                          const int64_t *slots, int64_t tokens, int64_t row, int num_threads);
-int paged_decode_attention_windowed(const void *query, const void *key_cache,
-                                    const void *value_cache, void *out,
-                                    const int32_t *block_tables, const int32_t *seq_lens,
-                                    int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                                    int block_size, int max_blocks, float scale, int window,
-                                    float soft_cap, int is_bf16, int num_threads);
-int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
-                int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
-                int out_bf16, int num_threads);
-void linear_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,
-                     int64_t n, int64_t k, int num_threads);
-void gemm_f32(const float *x, int64_t m, int64_t k, const float *panels, int64_t n,
-              const float *bias, float *y, int num_threads);
-int linear_bf16_rows(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
-                     int64_t m, int64_t n, int64_t k, int num_threads);
-int gemm_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *panels, int64_t n,
-              const uint16_t *bias, uint16_t *y, int num_threads);
+#include "decode_attention.h"
+#include "elementwise.h"
+#include "gguf_blocks.h"
+#include "matmul.h"
 
 #define DENSE_F32 (-1)
 #define DENSE_BF16 (-2)

@@ -15,6 +15,7 @@
 #include "bf16.h"
 #include "gelu.h"
 #include "silu.h"
+#include "elementwise.h"
 
 /* The float32 kernels fork threads only above this many elements. A decode row (a few
  * hundred to a few thousand floats) takes well under a microsecond on one core, less

@@ -22,11 +22,15 @@
  * Built only where the compiler targets AVX-512 BF16 and BW (-march=native on Cooper Lake,
  * Zen 4 or later); other builds carry a stub that reports "not built". The packing is
  * plain C in every build.
+ *
+ * Over 300 lines: the vdpbf16ps and AMX tile variants of one panel GEMM share its
+ * packing and edge handling.
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "matmul.h"
 #include "prefetch.h"
 #include "silu.h"
 

@@ -14,6 +14,9 @@
  *
  * AVX2 + FMA intrinsics; elsewhere the same order in plain C (tests only: dispatch picks
  * this kernel where gemm_f32_preferred() says so).
+ *
+ * Over 300 lines: one panel GEMM with its packing, and the GGUF-widening variant that
+ * reuses its micro-kernel.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -25,6 +28,7 @@
 
 #include "gguf_blocks.h"
 #include "prefetch.h"
+#include "matmul.h"
 
 enum { NR = 16, MR = 6 };
 

@@ -6,14 +6,27 @@
 #define TLE_GGUF_BLOCKS_H
 #include <stdint.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__)
 #include <immintrin.h>
+/* The sum of an AVX2 register's 8 int32 lanes. */
+static inline int32_t hsum8i(__m256i v) {
+    __m128i lo = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0x4E));
+    lo = _mm_add_epi32(lo, _mm_shuffle_epi32(lo, 0xB1));
+    return _mm_cvtsi128_si32(lo);
+}
 #endif
 
 enum { QK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };  /* GGML type ids */
 /* Or'd into a type id: the weights are in linear_gguf_vnni.c's 16-output panels, not rows. */
 enum { GGUF_VNNI_PANELS = 0x100 };
 
+/* The GGUF kernel family's entry points, each defined in the file named beside it. */
+/* linear_quant.c: y = x W^T (+ bias) on the blocks, rows of W (any x row count). */
+int linear_gguf(int type, const uint8_t *qs, const float *d, const float *offset, int64_t n,
+                int64_t k, const void *x, int x_bf16, int64_t m, const float *bias, void *y,
+                int out_bf16, int num_threads);
+/* linear_gguf_vnni.c: the same on 16-output panels (GGUF_VNNI_PANELS). */
 int linear_gguf_vnni(int type, const uint8_t *codes, const float *d, const float *offset,
                      int64_t n, int64_t k, const void *x, int x_bf16, int64_t m,
                      const float *bias, void *y, int out_bf16, int num_threads);
@@ -22,7 +35,7 @@ int dequantize_rows_gguf_vnni(int type, const uint8_t *codes, const float *d,
                               int64_t rows, float *out, int num_threads);
 
 /* x [rows, k] (float32, or bf16 when is_bf16) quantized per 32-block to int8 as llama.cpp
- * does (linear_quant.c): codes q, scales, scale * sum(q), and sum(q) when isum is not NULL;
+ * does (gguf_quantize.c, which both matmul kernels call): codes q, scales, scale * sum(q), and sum(q) when isum is not NULL;
  * pair_layout interleaves block pairs for the 4-bit row kernels. */
 void gguf_quantize_x(const void *x, int is_bf16, int64_t rows, int64_t k, int pair_layout,
                      int8_t *q, float *scale, float *qsum, int32_t *isum, int num_threads);

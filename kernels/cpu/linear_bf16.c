@@ -23,6 +23,7 @@
 
 #include "bf16.h"
 #include "row_dot.h"
+#include "matmul.h"
 
 /* The two inner loops live in row_dot.h (shared with moe.c). */
 #define LINEAR_BF16_DPBF16 ROW_DOT_DPBF16

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "row_dot.h"
+#include "matmul.h"
 
 /* x [m, k], w [n, k], bias [n] or NULL, y [m, n]; all float32, rows contiguous. */
 void linear_f32_rows(const float *x, const float *w, const float *bias, float *y, int64_t m,

@@ -24,7 +24,11 @@
  * float32 or bf16 activations and weights (the base model's dtype), float32 sums; in
  * bf16 the shrink result and the update are rounded to bf16 as torch's bf16 matmuls
  * round theirs. GCC vector extensions: AVX-512, AVX2/FMA or SSE code from the build's
- * -march (the detected ISA), plain C where there is no vector unit. */
+ * -march (the detected ISA), plain C where there is no vector unit.
+ *
+ * Over 300 lines: the shrink and expand halves of one segmented LoRA matmul, each with
+ * its vector and portable loop.
+ */
 #include <stdint.h>
 #include <string.h>
 #if defined(__AVX512F__) || defined(__FMA__)

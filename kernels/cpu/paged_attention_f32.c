@@ -29,6 +29,9 @@
  * Layouts (docs/CONTRACTS.md): query/out [T, H, D]; caches [blocks, block_size, KVH, D];
  * block_tables [S, max_blocks] int32; query_start_loc [S + 1] and seq_lens [S] int32.
  * head_dim a multiple of 8.
+ *
+ * Over 300 lines: the float32 and bf16 paged-attention kernels share the block walk and
+ * the online softmax.
  */
 #include <math.h>
 #include <stdint.h>

@@ -31,6 +31,9 @@
  * Layouts (docs/CONTRACTS.md): query/out [T, H, D] bf16; caches [blocks, block_size,
  * KVH, D] bf16; block_tables [S, max_blocks] int32. Chunk s: query rows
  * chunk_starts[s] .. + chunk_lens[s], the last chunk_lens[s] of its seq_lens[s] positions.
+ *
+ * Over 300 lines: AMX tile set-up, the Q.K and P.V tile loops and the online softmax
+ * between them are one kernel.
  */
 #include <math.h>
 #include <stdint.h>

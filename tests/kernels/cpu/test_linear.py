@@ -166,7 +166,8 @@ def test_the_activation_quantizer_gives_the_scalar_bits_at_every_isa_level(tmp_p
     from kernels.cpu import native as cpu_native
 
     compiler = shutil.which("cc") or shutil.which("gcc")
-    sources = [cpu_native.SOURCES[0].with_name(n) for n in ("linear_quant.c", "linear_gguf_vnni.c")]
+    sources = [cpu_native.SOURCES[0].with_name(n)
+               for n in ("gguf_quantize.c", "linear_quant.c", "linear_gguf_vnni.c")]
     rows, k = 5, 7 * 32
     g = torch.Generator().manual_seed(is_bf16)
     x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, k)
