@@ -19,7 +19,7 @@ import time
 
 from engine import LLM, SamplingParams
 from engine.models import resolve_model_dir
-from engine.models import transformers_backend
+from engine.models import transformers_kernels
 from kernels.cpu import features as cpu_features
 
 PROMPT = ("The history of the printing press begins with woodblock printing in China, and "
@@ -38,15 +38,15 @@ def tokens_per_s(llm: LLM, prompts: list[list[int]], new_tokens: int) -> float:
 def as_before():
     """Loads inside give the general path as it was before its native norms, RoPE and
     stacked sibling linears: HF's norm and RoPE code, one kernel call per nn.Linear."""
-    module, cls = transformers_backend, transformers_backend.TransformersForCausalLM
-    saved = module._native_norm, module._ROPE_FUNCTION, cls._shared_input_groups
+    module = transformers_kernels
+    saved = module._native_norm, module._ROPE_FUNCTION, module._shared_input_groups
     module._native_norm = lambda module: None
     module._ROPE_FUNCTION = "<none>"  # no forward reads such a global
-    cls._shared_input_groups = lambda self, linears: []
+    module._shared_input_groups = lambda model, linears: []
     try:
         yield
     finally:
-        module._native_norm, module._ROPE_FUNCTION, cls._shared_input_groups = saved
+        module._native_norm, module._ROPE_FUNCTION, module._shared_input_groups = saved
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,8 +6,9 @@
  * Rounding follows the torch op chains they replace (and HF's Llama): every
  * intermediate that torch would store as bf16 is rounded to bf16 here too, so results
  * differ from the torch path only by the order of float32 sums and exp's last bit (in
- * float32 the same holds with nothing to round). Rows are spread over torch's OpenMP pool (see
- * decode_attention.c for why the runtime is shared).
+ * float32 the same holds with nothing to round). Rows are spread over torch's OpenMP pool
+ * when there are enough of them (fork_rows; see decode_attention.c for why the runtime is
+ * shared).
  */
 #include <math.h>
 #include <stdint.h>
@@ -17,11 +18,22 @@
 #include "silu.h"
 #include "elementwise.h"
 
-/* The float32 kernels fork threads only above this many elements. A decode row (a few
- * hundred to a few thousand floats) takes well under a microsecond on one core, less
- * than starting a parallel region costs; measured on 2 cores, a second thread starts to
- * pay off between 4K and 8K floats for silu_mul and around 8K for add_rms_norm. */
+/* The kernels fork threads only for more than one row and more than PARALLEL_MIN_WORK
+ * elements in all (fork_rows). Rows are the unit of work, so a single row (each of the
+ * dozens of calls a single stream's decode step makes, the fused one in decode_step.c
+ * included) can only ever keep one thread busy: a parallel region then costs its start
+ * and, on a loaded host, a wait at its barrier for a second thread that may not be
+ * scheduled. Measured on 2 Sapphire Rapids cores, best of 5, SmolLM2's widths: a second
+ * thread starts to pay off between 4K and 8K floats for silu_mul_f32 and around 8K for
+ * add_rms_norm_f32; in bf16 (load average 6) near 4.6K elements for add_rms_norm
+ * (8 x 576), 7.7K for rope (8 x 960) and 3K-9K for silu_mul (2-6 x 1536), gaining at
+ * most ~1 us below 8K, where a stalled region loses far more. Each row is computed alone
+ * either way, so results do not depend on which side of the threshold a call falls. */
 #define PARALLEL_MIN_WORK 8192
+
+static inline int fork_rows(int64_t rows, int64_t per_row) {
+    return rows > 1 && rows * per_row > PARALLEL_MIN_WORK;
+}
 
 /* One row of the bf16 norms: res += x (when x is not NULL), rounded to bf16 as torch's
  * in-place add; returns rsqrt(mean(res^2) + eps) of the updated row, in float32. */
@@ -47,7 +59,8 @@ static inline float add_rms_bf16(const uint16_t *x, uint16_t *res, int64_t hidde
  * Matches: residual.add_(x); F.rms_norm(residual.float(), ..., None, eps).to(bf16) * weight */
 void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
                        uint16_t *out, int64_t rows, int64_t hidden, float eps, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (fork_rows(rows, hidden))
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *res = residual + r * hidden;
         uint16_t *dst = out + r * hidden;
@@ -63,7 +76,8 @@ void add_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *we
  * Matches: F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:]) (silu.h) */
 void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
                    int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (fork_rows(rows, inter))
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter;
         silu_mul_row_bf16(gate, gate + inter, out + r * inter, inter);
@@ -77,7 +91,8 @@ void silu_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t
 void gemma_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *weight,
                          uint16_t *out, int64_t rows, int64_t hidden, float eps,
                          int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (fork_rows(rows, hidden))
     for (int64_t r = 0; r < rows; r++) {
         uint16_t *res = residual + r * hidden;
         uint16_t *dst = out + r * hidden;
@@ -91,7 +106,8 @@ void gemma_rms_norm_bf16(const uint16_t *x, uint16_t *residual, const uint16_t *
  * Matches: F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:]) (gelu.h) */
 void gelu_tanh_mul_bf16(const uint16_t *gate_up, uint16_t *out, int64_t rows, int64_t inter,
                         int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (fork_rows(rows, inter))
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *gate = gate_up + r * 2 * inter;
         gelu_mul_row_bf16(gate, gate + inter, out + r * inter, inter);
@@ -147,7 +163,8 @@ void argmax_f32(const float *x, int64_t *out, int64_t rows, int64_t cols, int nu
 void rope_bf16(const uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t heads,
                int64_t dim, int64_t rot_half, const int64_t *positions, const uint16_t *cos_table,
                const uint16_t *sin_table, uint16_t *out, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (fork_rows(rows, heads * dim))
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *cs = cos_table + positions[r] * rot_half;
         const uint16_t *sn = sin_table + positions[r] * rot_half;
@@ -170,7 +187,8 @@ void rope_bf16(const uint16_t *qkv, int64_t row_stride, int64_t rows, int64_t he
 void reshape_and_cache_16(const uint16_t *key, int64_t key_stride, const uint16_t *value,
                           int64_t value_stride, uint16_t *key_cache, uint16_t *value_cache,
                           const int64_t *slots, int64_t tokens, int64_t row, int num_threads) {
-    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads)
+    #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
+        if (fork_rows(tokens, 2 * row))
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;
@@ -196,7 +214,7 @@ static inline float add_rms_f32(const float *x, float *res, int64_t hidden, floa
 void add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                       int64_t rows, int64_t hidden, float eps, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
-        if(rows * hidden > PARALLEL_MIN_WORK)
+        if (fork_rows(rows, hidden))
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * hidden;
         float *dst = out + r * hidden;
@@ -209,7 +227,7 @@ void add_rms_norm_f32(const float *x, float *residual, const float *weight, floa
 void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
                   int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
-        if(rows * inter > PARALLEL_MIN_WORK)
+        if (fork_rows(rows, inter))
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter;
         const float *up = gate + inter;
@@ -225,7 +243,7 @@ void silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
 void gemma_rms_norm_f32(const float *x, float *residual, const float *weight, float *out,
                         int64_t rows, int64_t hidden, float eps, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
-        if(rows * hidden > PARALLEL_MIN_WORK)
+        if (fork_rows(rows, hidden))
     for (int64_t r = 0; r < rows; r++) {
         float *res = residual + r * hidden;
         float *dst = out + r * hidden;
@@ -238,7 +256,7 @@ void gemma_rms_norm_f32(const float *x, float *residual, const float *weight, fl
 void gelu_tanh_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter,
                        int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
-        if(rows * inter > PARALLEL_MIN_WORK)
+        if (fork_rows(rows, inter))
     for (int64_t r = 0; r < rows; r++) {
         const float *gate = gate_up + r * 2 * inter;
         const float *up = gate + inter;
@@ -261,7 +279,7 @@ void rope_f32(const float *qkv, int64_t row_stride, int64_t rows, int64_t heads,
     #pragma clang fp contract(off)
 #endif
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
-        if(rows * heads * dim > PARALLEL_MIN_WORK)
+        if (fork_rows(rows, heads * dim))
     for (int64_t r = 0; r < rows; r++) {
         const float *cs = cos_table + positions[r] * rot_half;
         const float *sn = sin_table + positions[r] * rot_half;
@@ -284,7 +302,7 @@ void reshape_and_cache_32(const uint32_t *key, int64_t key_stride, const uint32_
                           int64_t value_stride, uint32_t *key_cache, uint32_t *value_cache,
                           const int64_t *slots, int64_t tokens, int64_t row, int num_threads) {
     #pragma omp parallel for schedule(static) num_threads(num_threads < 1 ? 1 : num_threads) \
-        if(2 * tokens * row > PARALLEL_MIN_WORK)
+        if (fork_rows(tokens, 2 * row))
     for (int64_t t = 0; t < tokens; t++) {
         const int64_t slot = slots[t];
         if (slot < 0) continue;

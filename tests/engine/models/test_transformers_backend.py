@@ -345,7 +345,7 @@ def test_prepack_runs_norms_rope_and_sibling_linears_natively(tmp_path):
 
     from torch import nn
 
-    from engine.models import transformers_backend as tb
+    from engine.models import transformers_kernels as tk
 
     olmo2 = make_tiny_hf_dir(tmp_path / "olmo2", "olmo2")
     model = load_model(olmo2, torch.float32, model_impl="transformers").model
@@ -354,7 +354,7 @@ def test_prepack_runs_norms_rope_and_sibling_linears_natively(tmp_path):
 
     def native_norm(module):
         forward = module.__dict__.get("forward")
-        return isinstance(forward, functools.partial) and forward.func is tb._norm_forward
+        return isinstance(forward, functools.partial) and forward.func is tk._norm_forward
 
     assert native_norm(layer.post_attention_layernorm) and native_norm(attn.q_norm)
     assert "forward" in attn.__dict__  # the copy whose RoPE is _native_rope
@@ -363,8 +363,8 @@ def test_prepack_runs_norms_rope_and_sibling_linears_natively(tmp_path):
                                                     mlp.gate_proj, mlp.up_proj)}
     assert stacked[attn.q_proj] is stacked[attn.k_proj] is stacked[attn.v_proj]
     assert stacked[mlp.gate_proj] is stacked[mlp.up_proj] is not stacked[attn.q_proj]
-    assert isinstance(stacked[attn.q_proj], tb._SharedInputLinears)
-    assert attn.o_proj.forward.func is tb._prepared_linear
+    assert isinstance(stacked[attn.q_proj], tk._SharedInputLinears)
+    assert attn.o_proj.forward.func is tk._prepared_linear
     # A member called alone, or on its own tensor, still answers its own columns.
     hf_attn = hf_causal_lm(olmo2, torch.float32, attn_implementation="eager").model.layers[0].self_attn
     x, y = torch.randn(3, attn.q_proj.in_features), torch.randn(2, attn.q_proj.in_features)
