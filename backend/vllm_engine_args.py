@@ -83,7 +83,6 @@ UNSUPPORTED = {
     "data_parallel_size": (1,),
     "prefill_context_parallel_size": (1,),
     "decode_context_parallel_size": (1,),
-    "enable_expert_parallel": (False,),
     "kv_cache_dtype": ("auto",),
     "cpu_offload_gb": (0,),
     "kv_offloading_size": (None,),

@@ -1,14 +1,19 @@
 """Per-family facts for bench/gguf_from_hf.py: how llama.cpp's convert_hf_to_gguf.py lays out
-Llama, Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 checkpoints. Tensor names come from the gguf
-package's TensorNameMap (llama.cpp's own table), metadata keys from GGUFWriter's add_*
-methods (gguf.Keys), so only what differs per family is spelled out here:
+Llama, Qwen3, Gemma 2, Gemma 3 (text), Phi-3, Mixtral and Qwen3-MoE checkpoints. Tensor
+names come from the gguf package's TensorNameMap (llama.cpp's own table), metadata keys
+from GGUFWriter's add_* methods (gguf.Keys), so only what differs per family is spelled out
+here:
 
 - which metadata each family's converter writes (llama.cpp's set_gguf_parameters);
 - q/k rows permuted per head for llama.cpp's interleaved RoPE: the llama family only. Qwen3,
   Gemma and Phi-3 run NeoX-style (rotate-half) RoPE in llama.cpp, HF's own row order;
 - Gemma's RMSNorms scale by (1 + w), and llama.cpp stores 1 + w (every "*norm.weight",
   Gemma 3's q/k norms included);
-- the extra tensors: llama3 rope_freqs, Phi-3's longrope rope_factors_long/short.
+- the extra tensors: llama3 rope_freqs, Phi-3's longrope rope_factors_long/short;
+- the mixtures of experts: Mixtral is llama.cpp's `llama` architecture with expert_count /
+  expert_used_count (every layer MoE, q/k permuted as Llama's), Qwen3-MoE its `qwen3moe`
+  (plus expert_feed_forward_length, the experts' width). Both route by a softmax over all
+  experts whose top-k weights llama.cpp always renormalises, and make every layer MoE.
 
 What llama.cpp derives instead of reading (Gemma's attention scale, its sliding-window
 pattern, Gemma 3's sliding-layer rope base) has no key: a config that disagrees with the
@@ -21,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-from gguf import MODEL_ARCH, MODEL_TENSOR, TENSOR_NAMES, GGUFWriter, RopeScalingType
+from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, MODEL_TENSOR, TENSOR_NAMES, GGUFWriter,
+                  RopeScalingType)
 
 
 def head_dim(config: dict) -> int:
@@ -121,6 +127,35 @@ def _qwen3(w: GGUFWriter, c: dict) -> None:
     _base_rope(w, c, ("yarn",))
     if c.get("use_sliding_window"):
         raise ValueError("qwen3: use_sliding_window has no GGUF form (llama.cpp attends fully)")
+
+
+def _experts(w: GGUFWriter, c: dict, count_key: str) -> None:
+    """TextModel's expert keys (llama.cpp's converter writes them for every family)."""
+    w.add_expert_count(c[count_key])
+    w.add_expert_used_count(c["num_experts_per_tok"])
+
+
+def _mixtral(w: GGUFWriter, c: dict) -> None:
+    if _rope_type(c) not in (None, "default"):
+        raise ValueError(f"mixtral: rope_scaling {c['rope_scaling']} has no GGUF form here")
+    if c.get("sliding_window") is not None:
+        raise ValueError("mixtral: sliding_window has no GGUF form (llama.cpp's llama "
+                         "architecture attends fully)")
+    _llama(w, c)
+    _experts(w, c, "num_local_experts")
+
+
+def _qwen3_moe(w: GGUFWriter, c: dict) -> None:
+    if c.get("mlp_only_layers") or c.get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"qwen3_moe: mlp_only_layers {c.get('mlp_only_layers')} / "
+                         f"decoder_sparse_step {c.get('decoder_sparse_step')} have no GGUF form "
+                         "(llama.cpp's qwen3moe makes every layer MoE)")
+    if not c.get("norm_topk_prob"):
+        raise ValueError("qwen3_moe: norm_topk_prob false has no GGUF form (llama.cpp's "
+                         "qwen3moe renormalises the top-k routing weights)")
+    _qwen3(w, c)
+    _experts(w, c, "num_experts")
+    w.add_expert_feed_forward_length(c["moe_intermediate_size"])
 
 
 def _check_gemma(arch: str, c: dict) -> None:
@@ -236,12 +271,19 @@ FAMILIES = {
     "gemma2": Family(MODEL_ARCH.GEMMA2, _gemma2, norm_shift=1.0, drop_lm_head=True),
     "gemma3_text": Family(MODEL_ARCH.GEMMA3, _gemma3, norm_shift=1.0),
     "phi3": Family(MODEL_ARCH.PHI3, _phi3, extra=_phi3_extra),
+    "mixtral": Family(MODEL_ARCH.LLAMA, _mixtral, permute_qk=True),
+    "qwen3_moe": Family(MODEL_ARCH.QWEN3MOE, _qwen3_moe),
 }
 
 
 def family_for(config: dict) -> Family:
+    """The config's family; ValueError where it, or a setting of this config, has no GGUF
+    form (the metadata is written to a file-less writer, which refuses what write_gguf
+    would): callers refuse before they write anything."""
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r}: GGUF conversion here covers "
                          f"{sorted(FAMILIES)}")
-    return FAMILIES[model_type]
+    family = FAMILIES[model_type]
+    family.metadata(GGUFWriter(None, MODEL_ARCH_NAMES[family.arch]), config)
+    return family

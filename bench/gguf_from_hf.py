@@ -1,6 +1,7 @@
 """An HF folder -> a GGUF file llama.cpp loads (F32, BF16, Q8_0, Q4_0 or Q4_1): the family's
 metadata, the byte-level BPE tokenizer, and the weights in llama.cpp's layout, for Llama,
-Qwen3, Gemma 2, Gemma 3 (text) and Phi-3 (the per-family facts: bench/gguf_arch.py).
+Qwen3, Gemma 2, Gemma 3 (text), Phi-3, Mixtral and Qwen3-MoE (the per-family facts:
+bench/gguf_arch.py).
 A small counterpart of llama.cpp's convert_hf_to_gguf.py for the folders
 bench/make_model.py and testing/ write (needs gguf, numpy, safetensors and torch; not the engine).
 
@@ -9,7 +10,9 @@ bench/make_model.py and testing/ write (needs gguf, numpy, safetensors and torch
 As llama.cpp's converter does it: tensors are named by the gguf package's TensorNameMap
 (Phi-3's fused qkv_proj and gate_up_proj stay fused, as attn_qkv and ffn_up), Llama's q and
 k rows are permuted per head for llama.cpp's interleaved RoPE, Gemma's norms are stored as
-1 + w, 1-D tensors (the norms) stay F32 whatever the type, a tied lm_head is left out
+1 + w, 1-D tensors (the norms) and MoE routers (ffn_gate_inp) stay F32 whatever the type,
+each layer's experts are stacked into one [experts, out, in] tensor per projection
+(ffn_gate_exps, ffn_up_exps, ffn_down_exps; quantized row by row), a tied lm_head is left out
 (llama.cpp reads token_embd instead), llama3 rope scaling travels as the rope_freqs tensor
 and Phi-3's longrope as rope_factors_long/short. Unlike llama-quantize, every matrix,
 token_embd included, gets the one type asked for (F16 where its rows do not split into
@@ -28,7 +31,7 @@ from typing import Callable, Iterator
 import numpy as np
 from gguf import GGML_QUANT_VERSION, MODEL_ARCH_NAMES, GGUFWriter, LlamaFileType, TokenType
 from gguf import GGMLQuantizationType as QT
-from gguf import GGML_QUANT_SIZES, get_tensor_name_map
+from gguf import GGML_QUANT_SIZES, MODEL_TENSOR, TENSOR_NAMES, get_tensor_name_map
 from gguf.quants import quant_shape_to_byte_shape, quantize
 
 from bench.gguf_arch import Family, family_for, llama3_rope_factors  # noqa: F401 (re-exported)
@@ -39,6 +42,10 @@ TYPES = {"f32": (QT.F32, LlamaFileType.ALL_F32), "bf16": (QT.BF16, LlamaFileType
          "q4_1": (QT.Q4_1, LlamaFileType.MOSTLY_Q4_1)}
 _ROWS_PER_CHUNK = 4096  # quantize this many rows at a time: numpy's temporaries stay small
 _LAYER_RE = re.compile(r"\.layers\.(\d+)\.")
+# HF's per-expert tensors (Mixtral's block_sparse_moe.experts.3.w1, Qwen3-MoE's
+# mlp.experts.3.gate_proj): the TensorNameMap names their stack, the index left out.
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+_ROUTER = f".{TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_INP].rpartition('.')[2]}.weight"
 
 
 def permute_heads(w: np.ndarray, heads: int) -> np.ndarray:
@@ -70,32 +77,53 @@ def _plan(model_dir: Path, config: dict, family: Family
     names = get_tensor_name_map(family.arch, config["num_hidden_layers"])
     heads = {"attn_q": config["num_attention_heads"], "attn_k": kv_heads(config)}
     tied = bool(config.get("tie_word_embeddings", False))
+    # Each layer's experts of one projection become one tensor, stacked along a new first
+    # axis in expert order (llama.cpp's converter: torch.stack), planned where expert 0 sorts.
+    num_experts = config.get("num_local_experts") or config.get("num_experts") or 0
+    stacks: dict[str, dict[int, str]] = {}
+    for hf_name in handles:
+        expert = _EXPERT_RE.search(hf_name)
+        if expert:
+            stacked = _EXPERT_RE.sub(".experts.", hf_name, count=1)
+            stacks.setdefault(stacked, {})[int(expert.group(1))] = hf_name
+    for stacked, members in stacks.items():
+        if sorted(members) != list(range(num_experts)):
+            raise ValueError(f"{stacked}: the checkpoint has experts {sorted(members)}, the "
+                             f"config {num_experts}")
     plan = []
     for hf_name in sorted(handles, key=_order):
         if hf_name == "lm_head.weight" and (tied or family.drop_lm_head):
             continue  # llama.cpp reads token_embd as the output
-        base, _, suffix = hf_name.rpartition(".")
+        expert = _EXPERT_RE.search(hf_name)
+        if expert and expert.group(1) != "0":
+            continue  # in expert 0's stack
+        stacked = _EXPERT_RE.sub(".experts.", hf_name, count=1) if expert else hf_name
+        base, _, suffix = stacked.rpartition(".")
         gguf_base = names.get_name(base)
         if gguf_base is None:
             raise ValueError(f"{hf_name}: no GGUF name for {MODEL_ARCH_NAMES[family.arch]}")
         kind = gguf_base.rpartition(".")[2]
         permute = heads[kind] if family.permute_qk and kind in heads else 0
         shift = family.norm_shift if hf_name.endswith("norm.weight") else 0.0
+        members = [stacks[stacked][e] for e in range(num_experts)] if expert else None
 
-        def values(hf_name=hf_name, permute=permute, shift=shift) -> np.ndarray:
+        def values(hf_name=hf_name, permute=permute, shift=shift, members=members) -> np.ndarray:
+            if members is not None:
+                return np.stack([handles[m].get_tensor(m).float().numpy() for m in members])
             w = handles[hf_name].get_tensor(hf_name).float().numpy()
             w = permute_heads(w, permute) if permute else w
             return w + np.float32(shift) if shift else w  # float32 sum, as llama.cpp's
 
         shape = tuple(handles[hf_name].get_slice(hf_name).get_shape())
-        plan.append((f"{gguf_base}.{suffix}", shape, values))
+        plan.append((f"{gguf_base}.{suffix}", (num_experts, *shape) if expert else shape, values))
     for tensor, value in family.extra(config):
         plan.append((tensor, value.shape, lambda value=value: value))
     return plan
 
 
-def _tensor_type(shape: tuple[int, ...], qtype: QT) -> QT:
-    if len(shape) == 1:
+def _tensor_type(name: str, shape: tuple[int, ...], qtype: QT) -> QT:
+    # A MoE router stays F32 in llama.cpp's converter and llama-quantize alike.
+    if len(shape) == 1 or name.endswith(_ROUTER):
         return QT.F32
     if qtype in (QT.F32, QT.BF16):
         return qtype
@@ -107,8 +135,10 @@ def _tensor_type(shape: tuple[int, ...], qtype: QT) -> QT:
 def _encode(values: np.ndarray, qtype: QT) -> np.ndarray:
     if qtype in (QT.F32, QT.F16):
         return values.astype(np.float32 if qtype == QT.F32 else np.float16, copy=False)
-    return np.concatenate([quantize(values[i:i + _ROWS_PER_CHUNK], qtype)
-                           for i in range(0, values.shape[0], _ROWS_PER_CHUNK)])
+    rows = values.reshape(-1, values.shape[-1])  # stacked experts: every expert's rows
+    blocks = np.concatenate([quantize(rows[i:i + _ROWS_PER_CHUNK], qtype)
+                             for i in range(0, rows.shape[0], _ROWS_PER_CHUNK)])
+    return blocks.reshape(*values.shape[:-1], blocks.shape[-1])
 
 
 def _tokenizer(model_dir: Path) -> Iterator[tuple[str, object]]:
@@ -173,7 +203,7 @@ def write_gguf(model_dir: str | Path, out: str | Path, kind: str = "bf16", name:
     if "unk" in tokenizer:
         w.add_unk_token_id(tokenizer["unk"])
 
-    types = [_tensor_type(shape, qtype) for _, shape, _ in plan]
+    types = [_tensor_type(tensor, shape, qtype) for tensor, shape, _ in plan]
     # Tensor infos first, data after: each tensor is read, encoded and written in turn.
     for (tensor, shape, _), t in zip(plan, types):
         if t in (QT.F32, QT.F16):

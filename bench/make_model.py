@@ -1,7 +1,8 @@
 """A random-weight model of a real model's shape (Llama, Qwen3, Gemma 3 text, and the
 mixture-of-experts Qwen3-MoE and Mixtral), as an HF folder plus GGUF files of the same
-weights (not for the MoE shapes: bench/gguf_arch.py has no MoE layout), so the engine,
-vLLM and llama.cpp all run one model (bench_generate --model DIR --gguf DIR/gguf/*.gguf).
+weights (bench/gguf_arch.py's llama.cpp layouts, experts stacked per layer for the MoE
+shapes), so the engine, vLLM and llama.cpp all run one model
+(bench_generate --model DIR --gguf DIR/gguf/*.gguf).
 Nothing is downloaded: the tokenizer is the embedded SmolLM2 one, its vocabulary padded
 with unreachable "[PAD<id>]" entries up to the shape's vocab_size, so every id the model
 can emit decodes on every side.
@@ -75,10 +76,6 @@ SHAPES = {
 }
 TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 INIT_STD = 0.02  # HF's initializer_range for Llama: the embedding's (see random_weights)
-
-
-# No GGUF layout for these (bench/gguf_arch.py): their folders are written without one.
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
 
 
 def family_of(shape: str) -> str:
@@ -250,7 +247,7 @@ def main() -> None:
     args = ap.parse_args()
     gguf = args.gguf
     if gguf is None:
-        gguf = [] if family_of(args.shape) in MOE_FAMILIES else ["bf16", "q8_0", "q4_0"]
+        gguf = ["bf16", "q8_0", "q4_0"]
     if args.layers is not None and args.layers < 1:
         ap.error("--layers: at least 1")
     out = make_model(args.shape, args.out, args.seed, tuple(gguf), layers=args.layers)

@@ -16,6 +16,7 @@ from engine.core.scheduler import Scheduler
 from engine.faults import FaultPlan
 from engine.metrics.trace import NullTrace, TraceRecorder
 from engine.models import load_model
+from engine.models.moe import ExpertLoad
 from engine.structured_output.grammar import GrammarCompiler
 from engine.worker.cpu_threads import ThreadGovernor, configure_threads
 from engine.worker.kv_pool import kv_layout, resolve_kv_pool
@@ -150,7 +151,10 @@ def open_trace(config: EngineConfig, loaded, layout) -> TraceRecorder | NullTrac
         return NullTrace()
     sched, cache = config.scheduler, config.cache
     args = {**dataclasses.asdict(sched), **dataclasses.asdict(cache), "dtype": config.dtype,
-            "quantization": config.quantization}
+            "quantization": config.quantization,
+            # where each expert's tokens were computed (the steps' expert_tokens)
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "enable_expert_parallel": config.enable_expert_parallel}
     header = {"block_size": cache.block_size, "model": str(loaded.model_dir),
               "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
               "kv_layer_windows": list(layout.layer_windows),
@@ -162,5 +166,7 @@ def open_trace(config: EngineConfig, loaded, layout) -> TraceRecorder | NullTrac
         logger.error("workload trace %s: %s; tracing switched off, requests are unaffected",
                      config.trace_path, exc)
         return NullTrace()
+    # Only now, with a trace to write them to, do the MoE blocks start counting.
+    recorder.expert_load = ExpertLoad.of(loaded.model)
     logger.info("recording a workload trace to %s", config.trace_path)
     return recorder

@@ -19,7 +19,7 @@ interleave gate and up columns; the loader lays them out as gate rows then up ro
 Each expert runs on the rows routed to it, so a token's result depends on its own row
 and its experts alone, never on which other tokens share a step (the matmuls here are
 torch's and may round differently by row count in bf16; batch-invariant mode takes the
-native kernel's fixed-order path).
+native kernel's fixed-order path, or runs this op one row at a time).
 """
 from __future__ import annotations
 
@@ -52,7 +52,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
     """x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; topk_weights [T, k] (any float dtype, used
     in float32); topk_ids [T, k] integer; biases [E, 2I] / [E, H] or None. -> [T, H] in
-    x's dtype. See the module docstring for the definition."""
+    x's dtype. See the module docstring for the definition. w13 / w2 are read only as
+    `.shape` and `w[e]`, so a stack that dequantizes one expert when indexed
+    (kernels/torch_mxfp4.Mxfp4Stack) runs here unchanged."""
     num_experts = w13.shape[0]
     weights = topk_weights.float()
     ids = topk_ids.long()

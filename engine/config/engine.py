@@ -42,6 +42,10 @@ class EngineConfig:
     # vLLM's name: ranks that each hold 1/N of every layer's heads, MLP columns and vocab
     # (engine/distributed/); rank 0 is this process, N - 1 workers are spawned. 1: no workers.
     tensor_parallel_size: int = 1
+    # vLLM's name: with tensor_parallel_size N, an MoE model's ranks each hold E/N whole
+    # experts (the first E % N ranks one more) instead of 1/N of every expert; attention
+    # stays split by heads. No effect with N = 1; ignored (logged) for a dense model.
+    enable_expert_parallel: bool = False
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     # vLLM's enable_lora, max_loras, max_lora_rank, max_cpu_loras (flat engine args).

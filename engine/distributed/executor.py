@@ -19,7 +19,8 @@ from engine.config import EngineConfig
 from engine.worker.model_runner import StepInputs
 from engine.distributed.group import (COMPUTE_TIMEOUT_S, GroupAddress, ParallelGroup,
                                    TensorParallelError)
-from engine.distributed.sharding import check_shardable, shard_loaded
+from engine.distributed.sharding import (check_shardable, expert_parallel_applies,
+                                         shard_loaded)
 from engine.distributed.worker import CacheSetup, WorkerSpec, run_worker
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,9 @@ class TensorParallelExecutor:
         """Checks that the model splits `config.tensor_parallel_size` ways (ValueError if
         not, before anything starts), spawns the workers and joins them as rank 0."""
         world = config.tensor_parallel_size
-        check_shardable(loaded_config, world)
+        self.expert_parallel = expert_parallel_applies(loaded_config, world,
+                                                       config.enable_expert_parallel)
+        check_shardable(loaded_config, world, self.expert_parallel)
         device = config.torch_device
         if device.startswith("cuda") and torch.cuda.device_count() < world:
             raise ValueError(f"tensor_parallel_size {world} needs {world} GPUs; "
@@ -90,7 +93,7 @@ class TensorParallelExecutor:
                              num_threads, compute_timeout_s,
                              config.lora if config.lora.enable_lora else None,
                              config.batch_invariant, config.model_impl,
-                             config.disable_sliding_window),))
+                             config.disable_sliding_window, self.expert_parallel),))
             for rank in range(1, world)]
         self._workers = _Workers(processes, rendezvous_dir)
         self.batch_invariant = config.batch_invariant
@@ -105,8 +108,9 @@ class TensorParallelExecutor:
             self.close()
             raise
         self._workers.group = self.group
-        logger.info("tensor parallel: %d ranks (%s), worker pids %s", world,
+        logger.info("tensor parallel: %d ranks (%s)%s, worker pids %s", world,
                     "NCCL" if address.device == "cuda" else "gloo",
+                    ", experts placed whole" if self.expert_parallel else "",
                     [p.pid for p in processes])
 
     def _join(self, address: GroupAddress, timeout_s: float) -> ParallelGroup:
@@ -147,7 +151,7 @@ class TensorParallelExecutor:
 
     def shard(self, loaded):
         """This process's model cut down to rank 0's slices (see engine/distributed/sharding.py)."""
-        return shard_loaded(loaded, self.group, self.batch_invariant)
+        return shard_loaded(loaded, self.group, self.batch_invariant, self.expert_parallel)
 
     def start(self, setup: CacheSetup) -> None:
         """Tell the workers the KV pool and wait until each has its model and cache."""

@@ -11,10 +11,18 @@ as column blocks. Every rank ends up with the full hidden state after each layer
 A mixture-of-experts block (engine/models/moe.py) is sharded as its experts' MLPs: each
 rank keeps the same intermediate columns of every expert (w13's gate and up rows, w2's
 input columns) and the whole router, so every rank routes every token alike; the block
-all-reduces its partial sums."""
+all-reduces its partial sums. With expert parallelism (enable_expert_parallel) a rank
+keeps whole experts instead, vLLM's linear placement (expert_range), and the router
+still whole: its partial output is its experts' share of each token, the same
+all-reduce adds the ranks' shares. Attention, dense MLPs and the vocabulary are split as
+without it.
+
+Over 300 lines: the tensor- and expert-parallel cuts of every layer kind share the head
+and slice arithmetic and the shardability checks."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +33,8 @@ from engine.models.attention import PagedAttention
 from engine.models.layers import Embedding, Linear
 from engine.models.moe import FusedMoE
 from engine.distributed.group import ParallelGroup
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,14 +84,56 @@ def vocab_slice(vocab_size: int, world_size: int, rank: int) -> tuple[int, int, 
     return start, min(start + per_rank, vocab_size), per_rank
 
 
-def check_shardable(hf_config, world_size: int) -> None:
-    """Raise ValueError, before any worker starts, if the model cannot be split N ways."""
+def expert_range(num_experts: int, world_size: int, rank: int) -> tuple[int, int]:
+    """The experts [start, end) rank `rank` holds under expert parallelism: vLLM's linear
+    placement, num_experts // N each and one more for each of the first num_experts % N
+    ranks."""
+    base, extra = divmod(num_experts, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (rank < extra)
+
+
+def model_num_experts(hf_config) -> int | None:
+    """The routed experts per MoE layer (Mixtral's and gpt-oss's num_local_experts,
+    Qwen3-MoE's num_experts), None for a dense model."""
+    for name in ("num_local_experts", "num_experts"):
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def expert_parallel_applies(hf_config, world_size: int, enabled: bool) -> bool:
+    """Whether enable_expert_parallel changes how this model is split: not for a dense
+    model (vLLM ignores the flag there too; logged) nor for one rank. ValueError when
+    there are fewer experts than ranks (a rank would hold none)."""
+    if not enabled or world_size == 1:
+        return False
+    experts = model_num_experts(hf_config)
+    if experts is None:
+        logger.info("enable_expert_parallel: the model has no experts; ignored (attention "
+                    "and MLPs are tensor-parallel as without it)")
+        return False
+    if world_size > experts:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {world_size} is larger "
+                         f"than the model's {experts} experts per layer, so a rank would "
+                         "hold none; use at most that many ranks, or turn it off")
+    return True
+
+
+def check_shardable(hf_config, world_size: int, expert_parallel: bool = False) -> None:
+    """Raise ValueError, before any worker starts, if the model cannot be split N ways
+    (`expert_parallel`: what expert_parallel_applies decided)."""
     num_heads = hf_config.num_attention_heads
     num_kv = getattr(hf_config, "num_key_value_heads", None) or num_heads
     head_shard(num_heads, num_kv, world_size, 0)
-    even_slice(hf_config.intermediate_size, world_size, 0, "intermediate_size")
-    if getattr(hf_config, "moe_intermediate_size", None):  # Qwen3-MoE's experts
-        even_slice(hf_config.moe_intermediate_size, world_size, 0, "moe_intermediate_size")
+    moe_inter = getattr(hf_config, "moe_intermediate_size", None)  # Qwen3-MoE's experts
+    # Whole experts are not cut: then only a dense MLP's intermediate_size must divide, and
+    # Mixtral's and gpt-oss's intermediate_size is their experts'.
+    if not expert_parallel or moe_inter:
+        even_slice(hf_config.intermediate_size, world_size, 0, "intermediate_size")
+    if moe_inter and not expert_parallel:
+        even_slice(moe_inter, world_size, 0, "moe_intermediate_size")
 
 
 class RowParallelLinear(Linear):
@@ -136,14 +188,14 @@ class LogitsGather:
         return self.group.all_gather_columns(local_logits)[:, :self.vocab_size]
 
 
-def shard_model(net: nn.Module, group: ParallelGroup,
-                batch_invariant: bool = False) -> HeadShard:
+def shard_model(net: nn.Module, group: ParallelGroup, batch_invariant: bool = False,
+                expert_parallel: bool = False) -> HeadShard:
     """Cut a loaded LlamaForCausalLM down to this rank's slices, in place, and re-pack
-    the smaller weights (for batch-invariant kernels if asked). Returns the rank's heads
-    (the KV cache is sized from them)."""
+    the smaller weights (for batch-invariant kernels if asked); `expert_parallel`: MoE
+    blocks keep whole experts. Returns the rank's heads (the KV cache is sized from them)."""
     world, rank = group.world_size, group.rank
     config = net.config
-    check_shardable(config, world)
+    check_shardable(config, world, expert_parallel)
     model = net.model
     for module in net.modules():  # packing may have dropped the rows the slices cut
         if isinstance(module, Linear):
@@ -153,7 +205,7 @@ def shard_model(net: nn.Module, group: ParallelGroup,
     for layer in model.layers:
         _shard_attention(layer.self_attn, heads, group)
         if isinstance(layer.mlp, FusedMoE):
-            _shard_experts(layer.mlp, group)
+            (_place_experts if expert_parallel else _shard_experts)(layer.mlp, group)
         else:
             _shard_mlp(layer.mlp, group)
     _shard_vocab(net, group)
@@ -214,6 +266,23 @@ def _shard_experts(moe: FusedMoE, group: ParallelGroup) -> None:
     moe.reduce_group = group
 
 
+def _place_experts(moe: FusedMoE, group: ParallelGroup) -> None:
+    """Expert parallelism: keep experts expert_range(...) whole. Every tensor the block
+    holds itself is per expert along dim 0 (the stacks, their biases, a quantized block's
+    buffers), so each is cut alike; the router, a submodule, stays whole. Each expert's
+    output bias is then added by the one rank that holds it."""
+    start, end = expert_range(moe.num_experts, group.world_size, group.rank)
+    for name, param in list(moe.named_parameters(recurse=False)):
+        setattr(moe, name, _param(param[start:end]))
+    for name, buffer in list(moe.named_buffers(recurse=False)):
+        setattr(moe, name, buffer[start:end].clone())  # stays a buffer of the same kind
+    device = moe.gate.weight.device
+    expert_map = torch.full((moe.num_experts,), -1, dtype=torch.int64, device=device)
+    expert_map[start:end] = torch.arange(end - start, device=device)
+    moe.expert_map = expert_map
+    moe.reduce_group = group
+
+
 def _shard_vocab(net: nn.Module, group: ParallelGroup) -> None:
     vocab = net.config.vocab_size
     start, end, per_rank = vocab_slice(vocab, group.world_size, group.rank)
@@ -236,8 +305,9 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor.detach().clone().contiguous(), requires_grad=False)
 
 
-def shard_loaded(loaded, group: ParallelGroup, batch_invariant: bool = False):
+def shard_loaded(loaded, group: ParallelGroup, batch_invariant: bool = False,
+                 expert_parallel: bool = False):
     """shard_model on a LoadedModel; the returned copy reports this rank's heads, which
     is what the KV cache (and its size per token) is built from."""
-    heads = shard_model(loaded.model, group, batch_invariant)
+    heads = shard_model(loaded.model, group, batch_invariant, expert_parallel)
     return dataclasses.replace(loaded, num_heads=heads.num_heads, num_kv_heads=heads.num_kv_heads)

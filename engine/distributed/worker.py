@@ -27,6 +27,7 @@ class WorkerSpec:
     batch_invariant: bool = False
     model_impl: str = "auto"
     disable_sliding_window: bool = False
+    expert_parallel: bool = False  # MoE blocks keep whole experts (sharding.expert_range)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +67,7 @@ def _serve(spec: WorkerSpec, group: ParallelGroup) -> None:
     loaded = load_model(spec.model_dir, spec.dtype, tokenizer=spec.tokenizer,
                         device=str(group.device), model_impl=spec.model_impl,
                         disable_sliding_window=spec.disable_sliding_window)
-    loaded = shard_loaded(loaded, group, spec.batch_invariant)
+    loaded = shard_loaded(loaded, group, spec.batch_invariant, spec.expert_parallel)
     setup = group.receive_step()
     if setup is None:  # rank 0 gave up before serving (e.g. its KV pool was refused)
         return

@@ -10,7 +10,10 @@ Records, one JSON object a line, times in seconds since the trace began:
    "cancel" (time of the abort, or null), "num_cached_tokens", "num_preemptions",
    "lora_name" (its LoRA adapter, or null for the base model), "tenant" (or null)}
   {"type": "step", "start", "wall", "prefill_tokens", "decode_tokens", "num_prefills",
-   "batch_size", "context_tokens", "preemptions"}
+   "batch_size", "context_tokens", "preemptions",
+   "expert_tokens" (mixture-of-experts models only: per MoE layer, in layer order, the
+   token slots the router sent each expert in the step; each layer's list sums to the
+   step's tokens times top_k)}
 A request is written when it ends. The file is size-capped: past max_bytes it is moved to
 `<path>.1` (replacing an older one) and a new file with the same header begins.
 """
@@ -21,12 +24,15 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.core.kv_cache import BlockHasher, external_hash
 from engine.core.kv_cache.hashing import lora_extra_key
 from engine.core.request import Request
 from engine.core.sched_output import SchedulerOutput
+
+if TYPE_CHECKING:
+    from engine.models.moe import ExpertLoad
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +78,15 @@ class TraceRecorder:
         self._header = {"type": "header", "version": TRACE_VERSION,
                         "origin_wall_time": time.time(), **header}
         self._file = None
+        # The model's MoE blocks' counters (engine/startup.py sets them once the file is
+        # open); None: a dense model, and no expert_tokens in the steps.
+        self.expert_load: ExpertLoad | None = None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._open()  # an unwritable path raises here: open_trace turns tracing off
         self._first_token: dict[str, float] = {}
         self._step_start = 0.0
         self._step_preemptions = 0
-        self._step_features: dict[str, int] | None = None
+        self._step_features: dict[str, Any] | None = None
 
     def _open(self) -> None:
         # Line-buffered: a live reader (python -m tuning.tune --server) sees each record
@@ -107,6 +116,9 @@ class TraceRecorder:
         logger.error("workload trace %s: %s; tracing switched off, requests are unaffected",
                      self.path, exc)
         file, self._file = self._file, None
+        if self.expert_load is not None:  # nothing will read the counts any more
+            self.expert_load.stop()
+            self.expert_load = None
         try:
             if file is not None:
                 file.close()
@@ -125,10 +137,16 @@ class TraceRecorder:
         self._step_start = self.now()
         self._step_preemptions = num_preemptions_total
         self._step_features = None
+        if self.expert_load is not None:
+            self.expert_load.take()  # forwards outside a step: warm-up, a failed step
 
     def step_scheduled(self, out: SchedulerOutput) -> None:
-        if not self.off:
-            self._step_features = step_features(out)
+        """After the step's forward: its expert counts are complete."""
+        if self.off:
+            return
+        self._step_features = step_features(out)
+        if self.expert_load is not None:
+            self._step_features["expert_tokens"] = self.expert_load.take()
 
     def requests_updated(self, requests: list[Request]) -> None:
         if self.off:

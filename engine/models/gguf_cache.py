@@ -6,12 +6,26 @@ of what llama.cpp's files say unread and takes its config class's defaults inste
 head_dim, Gemma's soft-capping, Phi-3's longrope factors and original context, Gemma 3's
 rope scaling, and what llama.cpp derives rather than reads (Gemma's attention scale). The
 config is completed from the file before the weights load (_completed_config).
+
+Mixtures of experts (Mixtral: llama.cpp's `llama` architecture with expert_count; Qwen3-MoE:
+`qwen3moe`) are converted here rather than by transformers, which has no Mixtral reader and
+would dequantize a whole Qwen3-MoE file into float32, then build the float32 model beside it:
+the file's tensors are dequantized one at a time from the memory-mapped file and written a
+decoder layer per safetensors shard (_write_streamed), so a layer's worth of float32 is the
+most held at once. transformers still gives the config (Qwen3-MoE; Mixtral's is built from
+its Llama one) and the tokenizer.
+
+Over 300 lines: a GGUF file becomes an HF folder here for every family (config,
+tokenizer, tensors), sharing the cache's keying and locking; the MoE streaming
+conversion moves out with the streaming loader (issue 49).
 """
 from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +41,14 @@ _READER_SINCE = {"gemma3": "4.52", "qwen3": "4.54"}
 # 27B sizes, which it recognises by layer count, scale attention by 1/sqrt(hidden / heads)
 # rather than 1/sqrt(head_dim).
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# GGUF architecture -> transformers' name for it, where they differ.
+_READER_NAMES = {"qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe"}
+# llama.cpp's converter permutes q's and k's rows per head for its interleaved RoPE in
+# these architectures only (the others run NeoX-style RoPE on HF's order).
+_PERMUTED_QK = {"llama"}
+# HF's per-expert tensor names; the GGUF name map knows their stack, the index left out.
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.")
 
 
 def cache_root() -> Path:
@@ -96,6 +118,10 @@ def _convert(gguf: Path, out: Path) -> None:
     tokenizer = _tokenizer(gguf, fields)
     _restore_gguf_specials(tokenizer, fields)
     config = _completed_config(gguf, fields)
+    if _expert_count(fields):
+        _write_streamed(fields, config, out)
+        tokenizer.save_pretrained(out)
+        return
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=config,
                                                  torch_dtype=torch.float32)
     # save_pretrained refuses quantized models; the weights are already dequantized.
@@ -117,6 +143,7 @@ class _Metadata:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(gguf))
+        self.reader = reader  # its tensors are views of the memory-mapped file
         self._fields = reader.fields
         self.tensors = {t.name: t for t in reader.tensors if len(t.shape) == 1}
 
@@ -135,7 +162,7 @@ def _check_reader(fields: _Metadata) -> None:
     from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
     arch = fields.get("general.architecture")
-    if arch in GGUF_CONFIG_MAPPING:
+    if _READER_NAMES.get(arch, arch) in GGUF_CONFIG_MAPPING:
         return
     since = _READER_SINCE.get(arch)
     need = f"transformers >= {since}" if since else "a transformers whose GGUF reader knows it"
@@ -189,11 +216,113 @@ def _completed_config(gguf: Path, fields: _Metadata):
                 "type": "longrope",
                 "long_factor": [float(x) for x in tensors["rope_factors_long.weight"].data],
                 "short_factor": [float(x) for x in tensors["rope_factors_short.weight"].data]}
+    if arch == "qwen3moe":
+        # transformers (4.57) leaves the experts' width at the class default (768), and
+        # llama.cpp's qwen3moe makes every layer MoE and renormalises the top-k weights.
+        updates.update(moe_intermediate_size=int(key("expert_feed_forward_length")),
+                       decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if arch == "llama" and _expert_count(fields):
+        return _mixtral_config(config, fields, updates)
     updates = {k: v for k, v in updates.items() if getattr(config, k, None) != v}
     if not updates:
         return config
     # Rebuilt rather than set: the config class validates (Phi-3's longrope lengths).
     return type(config).from_dict({**config.to_dict(), **updates})
+
+
+def _expert_count(fields: _Metadata) -> int:
+    return int(fields.get(f"{fields.get('general.architecture')}.expert_count") or 0)
+
+
+def _mixtral_config(llama, fields: _Metadata, updates: dict):
+    """A `llama` file with experts is llama.cpp's Mixtral: transformers reads it as Llama
+    (its reader maps no expert keys); the same values go into a MixtralConfig, every layer
+    MoE, attending fully (llama.cpp's llama architecture has no window)."""
+    from transformers import MixtralConfig
+
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+            "rms_norm_eps", "rope_theta", "tie_word_embeddings", "bos_token_id", "eos_token_id",
+            "pad_token_id")
+    if getattr(llama, "rope_scaling", None) or updates.get("rope_scaling"):
+        raise ValueError("model: a Mixtral GGUF with rope scaling is not supported")
+    values = {k: getattr(llama, k) for k in keys if getattr(llama, k, None) is not None}
+    values.update({k: v for k, v in updates.items() if k in keys})
+    used = fields.get("llama.expert_used_count")
+    return MixtralConfig(**values, num_local_experts=_expert_count(fields),
+                         num_experts_per_tok=int(used), sliding_window=None,
+                         architectures=["MixtralForCausalLM"])
+
+
+def _write_streamed(fields: _Metadata, config, out: Path) -> None:
+    """The file's tensors under HF's names, float32, one safetensors shard per decoder layer
+    (and one for the rest): each tensor is dequantized from the memory-mapped file when its
+    shard is written; a stacked expert tensor ([experts, out, in]) is split into HF's
+    per-expert ones. q and k are put back in HF's row order where llama.cpp permuted them."""
+    import numpy as np
+    import torch
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    arch = fields["general.architecture"]
+    names = get_tensor_name_map(next(a for a, n in MODEL_ARCH_NAMES.items() if n == arch),
+                                config.num_hidden_layers)
+    with torch.device("meta"):  # HF's parameter names, no memory
+        skeleton = AutoModelForCausalLM.from_config(config)
+    config.architectures = [type(skeleton).__name__]
+    hf_names: dict[str, list[str]] = {}  # GGUF name -> HF names (a stack: in expert order)
+    for hf_name in skeleton.state_dict():
+        stacked = _EXPERT_RE.sub(".experts.", hf_name, count=1)
+        base, _, suffix = stacked.rpartition(".")
+        gguf_base = names.get_name(base)
+        if gguf_base is not None:
+            hf_names.setdefault(f"{gguf_base}.{suffix}", []).append(hf_name)
+    heads = {"attn_q.weight": config.num_attention_heads,
+             "attn_k.weight": config.num_key_value_heads}
+    tensors = fields.reader.tensors
+    groups: list[list] = []  # consecutive tensors of one layer (or of none) share a shard
+    for t in tensors:
+        layer = _LAYER_RE.match(t.name)
+        key = layer.group(1) if layer else None
+        if not groups or groups[-1][0] != key:
+            groups.append([key])
+        groups[-1].append(t)
+    weight_map, missing = {}, {n for ns in hf_names.values() for n in ns}
+    for index, (_, *group) in enumerate(groups):
+        shard = f"model-{index + 1:05d}-of-{len(groups):05d}.safetensors"
+        state = {}
+        for t in group:
+            targets = hf_names.get(t.name)
+            if targets is None:
+                raise ValueError(f"model: tensor {t.name!r} of the GGUF file has no place in "
+                                 f"{config.architectures[0]}")
+            values = dequantize(t.data, t.tensor_type)
+            kind = t.name.split(".", 2)[-1]
+            if arch in _PERMUTED_QK and kind in heads:
+                n = heads[kind]  # llama.cpp's (head, i, half) rows back to (head, half, i)
+                values = values.reshape(n, -1, 2, values.shape[-1]).swapaxes(1, 2).reshape(
+                    values.shape)
+            parts = [values] if len(targets) == 1 else list(values)
+            if len(parts) != len(targets):
+                raise ValueError(f"model: {t.name} holds {len(parts)} experts, the config "
+                                 f"{len(targets)}")
+            for hf_name, part in zip(targets, parts):
+                # Copies: safetensors stores no views, and the file's pages can go.
+                state[hf_name] = torch.from_numpy(np.array(part, dtype=np.float32, copy=True))
+                weight_map[hf_name] = shard
+                missing.discard(hf_name)
+        save_file(state, str(out / shard), metadata={"format": "pt"})
+    if config.tie_word_embeddings:
+        missing -= {n for n in missing if n.startswith("lm_head.")}
+    if missing:
+        raise ValueError(f"model: the GGUF file lacks {len(missing)} tensors, e.g. "
+                         f"{sorted(missing)[:3]}")
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=2), encoding="utf-8")
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
 
 
 def _tokenizer(gguf: Path, fields: _Metadata):

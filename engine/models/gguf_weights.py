@@ -1,9 +1,10 @@
 """The quantized tensors of a GGUF file, named and shaped for our Llama-family models
-(Llama, Qwen2/3, Gemma 2/3, Phi-3; quantization="gguf"): the weights stay in the file's
-blocks, see kernels/cpu/gguf_weight.py. Only the matrices of our fused linear layers and the
-embedding / output tables are taken; the small tensors (norms, Qwen3's and Gemma 3's q/k
-norms, Gemma's post-norms, rope factors) stay with the dense weights of the converted
-folder, which transformers read from the same file (Gemma's 1 + w undone there).
+(Llama, Qwen2/3, Gemma 2/3, Phi-3, Mixtral, Qwen3-MoE; quantization="gguf"): the weights
+stay in the file's blocks, see kernels/cpu/gguf_weight.py. Only the matrices of our fused
+linear layers, the experts and the embedding / output tables are taken; the small tensors
+(norms, Qwen3's and Gemma 3's q/k norms, Gemma's post-norms, rope factors, MoE routers) stay
+with the dense weights of the converted folder, read from the same file (Gemma's 1 + w
+undone there).
 
 GGUF stores Llama's q and k projections with the rows of each head interleaved (llama.cpp's
 converter permutes them for its RoPE; Qwen3, Gemma and Phi-3 keep HF's order); which order a
@@ -12,6 +13,16 @@ loaded from the same file, both orders tried. Phi-3's checkpoint comes fused and
 keeps it so: attn_qkv holds q, k, v rows and ffn_up gate then up rows, our own layouts.
 Tensors in formats the kernel lacks (F32, F16, K-quants) leave their layer dense, and so
 does a fused layer whose parts differ in format.
+
+Mixtures of experts (Mixtral, Qwen3-MoE): llama.cpp stacks each layer's experts into one
+tensor per projection, [experts, out, in] (ffn_gate_exps, ffn_up_exps, ffn_down_exps). Each
+expert's rows are cut from the memory-mapped file one expert at a time and kept as its own
+tables, gate and up rows stacked into one [2I, H] table as our w13 (blocks run along a row,
+so rows of one format concatenate), down as w2: named "{block}.w13.{e}" / "{block}.w2.{e}"
+for MoEForCausalLM.quantize. Only quantized bytes are read; nothing of them is widened to
+float32 here. A layer keeps its experts dense where any of the three is in a format the
+kernel lacks, or gate and up differ; the router (ffn_gate_inp, F32 in llama.cpp's files)
+stays dense.
 """
 from __future__ import annotations
 
@@ -34,6 +45,8 @@ _MODULES = {"self_attn.qkv_proj": (("attn_q", "attn_k", "attn_v"), ("attn_qkv",)
             "mlp.gate_up_proj": (("ffn_gate", "ffn_up"), ("ffn_up",)),
             "mlp.down_proj": (("ffn_down",),)}
 _KINDS = {kind for layouts in _MODULES.values() for layout in layouts for kind in layout}
+# A layer's stacked experts: gate and up make w13, down w2.
+_EXPERT_KINDS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def _head_rows_order(num_heads: int, rows: int) -> torch.Tensor:
@@ -103,6 +116,36 @@ def _tensor(reader_tensor) -> tuple[str, GgufWeight] | None:
                                              in_features)
 
 
+def _expert_rows(reader_tensor, expert: int) -> GgufWeight:
+    """One expert's [out, in] table of a stacked [experts, out, in] tensor (the file's bytes
+    for it alone are copied)."""
+    blocks = torch.from_numpy(np.array(reader_tensor.data[expert], copy=True)).view(torch.uint8)
+    return GgufWeight.from_blocks(reader_tensor.tensor_type.name,
+                                  blocks.reshape(blocks.shape[0], -1),
+                                  int(reader_tensor.shape[0]))
+
+
+def _expert_tables(stacks: dict, name: str, moe, dense_left: list[str]) -> dict[str, GgufWeight]:
+    """`name`.w13.{e} / .w2.{e} -> each expert's tables, or none (dense_left says why)."""
+    if set(stacks) != set(_EXPERT_KINDS):
+        raise ValueError(f"quantization: {name}'s experts need {', '.join(_EXPERT_KINDS)} in "
+                         f"the GGUF file, found {sorted(stacks)}")
+    gate, up, down = (stacks[k] for k in _EXPERT_KINDS)
+    types = [t.tensor_type.name for t in (gate, up, down)]
+    if not set(types) <= set(GGUF_FORMATS) or types[0] != types[1]:
+        dense_left.append(f"{name} experts ({'/'.join(types)})")
+        return {}
+    experts = int(gate.data.shape[0])
+    if moe is None or experts != moe.num_experts:
+        raise ValueError(f"quantization: the GGUF file has {experts} experts in {name}, the "
+                         f"model {getattr(moe, 'num_experts', 'no MoE block')}")
+    tables = {}
+    for e in range(experts):
+        tables[f"{name}.w13.{e}"] = GgufWeight.concat([_expert_rows(gate, e), _expert_rows(up, e)])
+        tables[f"{name}.w2.{e}"] = _expert_rows(down, e)
+    return tables
+
+
 def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
     """Module name -> quantized weight for every layer the file lets us keep quantized.
     `model`: our LlamaForCausalLM (or a subclass) with its dense weights loaded (for the
@@ -115,7 +158,11 @@ def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
     layers: dict[int, dict[str, tuple[str, GgufWeight | None]]] = {}
     dense_left: list[str] = []
     result: dict[str, GgufWeight] = {}
+    experts: dict[int, dict[str, object]] = {}  # layer -> kind -> the file's stacked tensor
     for t in GGUFReader(str(path)).tensors:
+        if t.name.startswith("blk.") and t.name.split(".")[2] in _EXPERT_KINDS:
+            experts.setdefault(int(t.name.split(".")[1]), {})[t.name.split(".")[2]] = t
+            continue  # read an expert at a time below, not whole
         found = _tensor(t)
         if t.name in ("token_embd.weight", "output.weight"):
             names = ["model.embed_tokens"] if t.name == "token_embd.weight" else ["lm_head"]
@@ -158,6 +205,11 @@ def read_quantized(path: str | os.PathLike, model) -> dict[str, GgufWeight]:
                 weight = _qkv_in_hf_order(weight, dense, model._shard_sizes("qkv_proj"),
                                           (num_heads, num_kv_heads), name)
             result[name] = weight
+    for layer, stacks in sorted(experts.items()):  # one layer's experts at a time
+        name = f"model.layers.{layer}.mlp"
+        moe = model.get_submodule(name)
+        result.update(_expert_tables(stacks, name, moe if hasattr(moe, "num_experts") else None,
+                                     dense_left))
     if dense_left:
         logger.info("quantization gguf: %d tensors stay dense (formats without a kernel), "
                     "e.g. %s", len(dense_left), ", ".join(dense_left[:3]))

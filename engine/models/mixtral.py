@@ -26,3 +26,5 @@ class MixtralForCausalLM(MoEForCausalLM):
     model_class = MixtralModel
     hf_moe_block = "block_sparse_moe"
     hf_expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+    # quantization="gguf": llama.cpp's files of it (engine/models/gguf_weights.py).
+    supports_quantization = True

@@ -8,8 +8,15 @@ stacked (w13 [E, 2I, H]: each expert's gate rows then its up rows; w2 [E, H, I])
 through kernels.dispatch.fused_moe, whose definition is kernels/torch_moe.py.
 
 Under tensor parallelism (engine/distributed/sharding.py) each rank keeps the same slice
-of every expert's intermediate columns and the whole router; the block all-reduces its
-partial output, as a row-parallel down projection does."""
+of every expert's intermediate columns and the whole router; with expert parallelism it
+keeps whole experts instead, a contiguous range, and maps the router's ids to its own
+(-1, which the op skips, for the others'). Either way the block all-reduces its partial
+output, as a row-parallel down projection does.
+
+With a workload trace on, each block counts the token slots the router sent each expert
+(ExpertLoad), per layer: under expert parallelism a rank's share of a layer's slots is its
+work at that layer, and every layer's all-reduce waits for the busiest rank, so summed
+over layers the figure would hide a hot expert that moves from layer to layer."""
 from __future__ import annotations
 
 import enum
@@ -22,7 +29,7 @@ from torch import nn
 from engine.models.layers import Linear, empty_param
 from engine.models.llama import LlamaForCausalLM
 from kernels import dispatch
-from kernels.dispatch import ExpertWeights
+from kernels.dispatch import ExpertWeights, GgufWeight
 
 
 class Routing(enum.Enum):
@@ -77,11 +84,28 @@ class FusedMoE(nn.Module):
         self.w2_bias = empty_param(num_experts, hidden_size, dtype=dtype) if expert_bias else None
         # Set by tensor-parallel sharding: sums the ranks' partial outputs.
         self.reduce_group = None
+        # Set by expert-parallel sharding: global expert id -> this rank's stack index, -1
+        # where another rank holds the expert. num_experts stays the router's (global) count.
+        self.expert_map: torch.Tensor | None = None
+        self.batch_invariant = False  # set by MoEForCausalLM.prepack
+        # ExpertLoad's counter, [num_experts] int64: token slots routed to each expert since
+        # it was last read. None (tracing off): nothing is counted.
+        self.expert_load: torch.Tensor | None = None
+        # quantization="gguf": per expert tables in the file's blocks in place of w13 / w2
+        # (set by quantize_experts, which drops the dense stacks).
+        self.w13_gguf: tuple[GgufWeight, ...] | None = None
+        self.w2_gguf: tuple[GgufWeight, ...] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate.forward(x), self.top_k, self.routing)
-        experts = ExpertWeights(self.w13, self.w2, self.w13_bias, self.w2_bias)
-        out = dispatch.fused_moe(x, experts, weights, ids, self.activation)
+        if self.expert_load is not None:
+            self.expert_load += torch.bincount(ids.flatten(), minlength=self.num_experts)
+        if self.expert_map is not None:
+            ids = self.expert_map[ids]
+        experts = ExpertWeights(self.w13, self.w2, self.w13_bias, self.w2_bias,
+                                w13_gguf=self.w13_gguf, w2_gguf=self.w2_gguf)
+        out = dispatch.fused_moe(x, experts, weights, ids, self.activation,
+                                 batch_invariant=self.batch_invariant)
         return out if self.reduce_group is None else self.reduce_group.all_reduce(out)
 
     @property
@@ -103,6 +127,54 @@ class FusedMoE(nn.Module):
         stack, rows = stacks[part]
         return stack.data[expert, rows]
 
+    def quantize_experts(self, w13: list[GgufWeight], w2: list[GgufWeight]) -> None:
+        """Serve the experts from GGUF tables, one per expert: [2I, H] (gate rows, then up
+        rows) and [H, I]; the dense stacks are dropped."""
+        want = ((2 * self.intermediate_size, self.w13.shape[2]),
+                (self.w2.shape[1], self.intermediate_size))
+        for part, tables, shape in (("w13", w13, want[0]), ("w2", w2, want[1])):
+            got = {(t.out_features, t.in_features) for t in tables}
+            if len(tables) != self.num_experts or got != {shape}:
+                raise ValueError(f"quantization: {len(tables)} {part} tables of {sorted(got)}, "
+                                 f"expected {self.num_experts} of {shape}")
+        self.w13_gguf, self.w2_gguf = tuple(w13), tuple(w2)
+        self.w13 = self.w2 = None
+
+
+# quantize()'s names for expert tables (engine/models/gguf_weights.py makes them):
+# "{FusedMoE module}.w13.{expert}" and "{FusedMoE module}.w2.{expert}".
+_EXPERT_TABLE_RE = re.compile(r"(.+)\.(w13|w2)\.(\d+)")
+
+
+class ExpertLoad:
+    """Token slots routed to each expert of each MoE block of a model (every rank routes
+    every token, so rank 0's blocks see the whole step). Counting costs a bincount per
+    block per forward, and runs only in the blocks of a model one was made for."""
+
+    def __init__(self, blocks: list[FusedMoE], device: torch.device) -> None:
+        self.blocks = blocks
+        for block in blocks:
+            block.expert_load = torch.zeros(block.num_experts, dtype=torch.int64, device=device)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "ExpertLoad | None":
+        """Counters on `model`'s MoE blocks (they count from now on); None without any."""
+        blocks = [m for m in model.modules() if isinstance(m, FusedMoE)]
+        # the model's device (a GGUF block has no dense expert stacks to ask)
+        return cls(blocks, next(model.parameters()).device) if blocks else None
+
+    def take(self) -> list[list[int]]:
+        """Per MoE block, in layer order, the counts since the last take; zeroes them."""
+        counts = [block.expert_load.tolist() for block in self.blocks]
+        for block in self.blocks:
+            block.expert_load.zero_()
+        return counts
+
+    def stop(self) -> None:
+        """The blocks count no more."""
+        for block in self.blocks:
+            block.expert_load = None
+
 
 class MoEForCausalLM(LlamaForCausalLM):
     """A Llama-family causal LM whose layers' `mlp` is a FusedMoE (or, in some layers, a
@@ -117,8 +189,8 @@ class MoEForCausalLM(LlamaForCausalLM):
     # HF tensors that hold a part of every expert at once, under {block}.experts (gpt-oss's
     # gate_up_proj ...) -> the parts they fill; place_stacked copies them in.
     hf_stacked_parts: dict[str, tuple[str, ...]] = {}
-    # Neither path knows experts: LoRA wraps dense projections by name, GGUF quantizes
-    # Linear layers only.
+    # LoRA wraps dense projections by name, not experts. GGUF: the families whose files
+    # llama.cpp writes (Mixtral, Qwen3-MoE) allow it, their experts served by quantize.
     supports_lora = False
     supports_quantization = False
 
@@ -184,6 +256,35 @@ class MoEForCausalLM(LlamaForCausalLM):
         stacked = {f"{name}.{p}" for name, _ in blocks
                    for p in ("w13", "w2", "w13_bias", "w2_bias")}
         super()._check_complete({n: p for n, p in params.items() if n not in stacked}, loaded)
+
+    def quantize(self, weights: dict[str, GgufWeight]) -> None:
+        """LlamaForCausalLM's, plus the experts' tables (named as _EXPERT_TABLE_RE says)."""
+        experts: dict[str, dict[str, dict[int, GgufWeight]]] = {}
+        rest = {}
+        for name, weight in weights.items():
+            match = _EXPERT_TABLE_RE.fullmatch(name)
+            if match is None:
+                rest[name] = weight
+            else:
+                experts.setdefault(match[1], {}).setdefault(match[2], {})[int(match[3])] = weight
+        super().quantize(rest)
+        modules = dict(self.named_modules())
+        for name, parts in experts.items():
+            moe = modules.get(name)
+            if not isinstance(moe, FusedMoE):
+                raise ValueError(f"quantization: no MoE block named {name!r}")
+            tables = [parts.get(part, {}) for part in ("w13", "w2")]
+            if any(sorted(t) != list(range(moe.num_experts)) for t in tables):
+                raise ValueError(f"quantization: {name} needs w13 and w2 tables for experts "
+                                 f"0..{moe.num_experts - 1}")
+            moe.quantize_experts(*([dispatch.prepare_gguf(t[e]) for e in range(moe.num_experts)]
+                                   for t in tables))
+
+    def prepack(self, batch_invariant: bool = False) -> None:
+        super().prepack(batch_invariant)
+        for module in self.modules():
+            if isinstance(module, FusedMoE):
+                module.batch_invariant = batch_invariant
 
     def _shard_sizes(self, fused_name: str) -> tuple[int, ...]:
         # The dense layers' gate/up (layer 0 may be an MoE one).

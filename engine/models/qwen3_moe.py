@@ -35,3 +35,5 @@ class Qwen3MoeModel(Qwen3Model):
 class Qwen3MoeForCausalLM(MoEForCausalLM):
     model_class = Qwen3MoeModel
     hf_expert_parts = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    # quantization="gguf": llama.cpp's files of it (engine/models/gguf_weights.py).
+    supports_quantization = True

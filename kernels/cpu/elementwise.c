@@ -9,6 +9,9 @@
  * float32 the same holds with nothing to round). Rows are spread over torch's OpenMP pool
  * when there are enough of them (fork_rows; see decode_attention.c for why the runtime is
  * shared).
+ *
+ * Over 300 lines: the float32 and bf16 variants of each element-wise op side by side,
+ * sharing the norm's sum loop.
  */
 #include <math.h>
 #include <stdint.h>

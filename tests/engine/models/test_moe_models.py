@@ -286,13 +286,3 @@ def test_lora_is_refused_by_name(family):
     _, path, _, _ = family
     with pytest.raises(ValueError, match="takes no LoRA adapters"):
         LLM(str(path), dtype="float32", num_kv_blocks=32, max_model_len=64, enable_lora=True)
-
-
-@pytest.mark.parametrize("family", ["mixtral"], indirect=True)
-def test_gguf_quantization_is_refused_naming_the_class(family):
-    """GGUF blocks replace Linear weights; the stacked experts are not Linear layers, so a
-    quantization request is refused at load, naming the native class that runs the model."""
-    from engine.models.loader import load_model
-    _, path, _, _ = family
-    with pytest.raises(ValueError, match="MixtralForCausalLM, which takes no GGUF weights"):
-        load_model(str(path), dtype="float32", quantization="gguf")
