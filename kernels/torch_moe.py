@@ -23,6 +23,8 @@ native kernel's fixed-order path, or runs this op one row at a time).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -55,21 +57,32 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     x's dtype. See the module docstring for the definition. w13 / w2 are read only as
     `.shape` and `w[e]`, so a stack that dequantizes one expert when indexed
     (kernels/torch_mxfp4.Mxfp4Stack) runs here unchanged."""
-    num_experts = w13.shape[0]
+    def expert_forward(expert: int, rows_x: torch.Tensor) -> torch.Tensor:
+        h = rows_x @ w13[expert].T
+        if w13_bias is not None:
+            h = h + w13_bias[expert]
+        y = moe_activation(h, activation, alpha, limit) @ w2[expert].T
+        return y if w2_bias is None else y + w2_bias[expert]
+
+    return combine_experts(x, w2.shape[1], w13.shape[0], topk_weights, topk_ids, expert_forward)
+
+
+def combine_experts(x: torch.Tensor, out_features: int, num_experts: int,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    expert_forward: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The definition's routing and sum around any expert computation: each valid expert e
+    runs `expert_forward(e, x[rows routed to e])` -> y [rows, out_features] once, and
+    out[t] sums topk_weights[t, j] * y in float32 in slot order j; returned in x's dtype.
+    fused_moe passes dense matmuls; kernels.dispatch's GGUF experts their block matmuls."""
     weights = topk_weights.float()
     ids = topk_ids.long()
-    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    out = torch.zeros(x.shape[0], out_features, dtype=torch.float32, device=x.device)
     contributions = []  # (slot j, rows, y) so the sum can go in slot order
     for expert in torch.unique(ids).tolist():
         if not 0 <= expert < num_experts:
             continue
         rows, slots = (ids == expert).nonzero(as_tuple=True)
-        h = x[rows] @ w13[expert].T
-        if w13_bias is not None:
-            h = h + w13_bias[expert]
-        y = moe_activation(h, activation, alpha, limit) @ w2[expert].T
-        if w2_bias is not None:
-            y = y + w2_bias[expert]
+        y = expert_forward(expert, x[rows])
         contributions.append((slots, rows, y.float() * weights[rows, slots, None]))
     for slot in range(ids.shape[1]):
         for slots, rows, y in contributions:

@@ -89,23 +89,13 @@ def _fused_moe_gguf(x: torch.Tensor, experts: ExpertWeights, topk_weights: torch
     """kernels/torch_moe.py's definition with each routed expert's two matmuls run by
     gguf_linear on the rows sent to it: an expert's tables stay in their blocks (no dense
     copy of a layer's experts), and `batch_invariant` takes gguf_linear's one-row order."""
-    weights, ids = topk_weights.float(), topk_ids.long()
-    out = torch.zeros(x.shape[0], experts.w2_gguf[0].out_features, dtype=torch.float32,
-                      device=x.device)
-    contributions = []  # (slot j, rows, y): summed in slot order, as the definition does
-    for expert in torch.unique(ids).tolist():
-        if not 0 <= expert < len(experts.w13_gguf):
-            continue
-        rows, slots = (ids == expert).nonzero(as_tuple=True)
+    def expert_forward(expert: int, rows_x: torch.Tensor) -> torch.Tensor:
         b13 = None if experts.w13_bias is None else experts.w13_bias[expert]
         b2 = None if experts.w2_bias is None else experts.w2_bias[expert]
-        h = gguf_linear(x[rows], experts.w13_gguf[expert], b13, batch_invariant)
-        y = gguf_linear(torch_moe.moe_activation(h, activation, alpha, limit),
-                        experts.w2_gguf[expert], b2, batch_invariant)
-        contributions.append((slots, rows, y.float() * weights[rows, slots, None]))
-    for slot in range(ids.shape[1]):
-        for slots, rows, y in contributions:
-            keep = slots == slot
-            if bool(keep.any()):
-                out.index_add_(0, rows[keep], y[keep])
-    return out.to(x.dtype)
+        h = gguf_linear(rows_x, experts.w13_gguf[expert], b13, batch_invariant)
+        return gguf_linear(torch_moe.moe_activation(h, activation, alpha, limit),
+                           experts.w2_gguf[expert], b2, batch_invariant)
+
+    return torch_moe.combine_experts(x, experts.w2_gguf[0].out_features,
+                                     len(experts.w13_gguf), topk_weights, topk_ids,
+                                     expert_forward)
