@@ -28,6 +28,7 @@ from safetensors.torch import load_file, save_file
 
 from bench.gguf_from_hf import permute_heads, write_gguf
 from testing.hf_reference import hf_causal_lm
+from testing.gguf_folders import private_gguf_cache, tiny_gguf_folders
 from testing.tiny_model import make_tiny_model_dir
 from tests.engine.models.test_families import (ENGINE_PROMPTS, assert_same_greedy,
                                                engine_greedy, hf_greedy)
@@ -52,24 +53,14 @@ NUM_EXPERTS, LAYERS = 8, 2
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
-    """family -> its tiny HF folder, with OUT/gguf/<kind>.gguf beside."""
-    made = {}
-    for family, (arch, overrides) in FAMILIES.items():
-        folder = make_tiny_model_dir(tmp_path_factory.mktemp(family), arch=arch, seed=3,
-                                     **overrides)
-        (folder / "gguf").mkdir()
-        for kind in KINDS:
-            write_gguf(folder, folder / "gguf" / f"{kind}.gguf", kind, name="tiny random model")
-        made[family] = folder
-    return made
+    """family -> its tiny HF folder, with OUT/gguf/<kind>.gguf beside, written once."""
+    return tiny_gguf_folders(tmp_path_factory, FAMILIES, KINDS)
 
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
     """The engine's GGUF conversions go to a private cache for this module."""
-    with pytest.MonkeyPatch.context() as mp:
-        path = tmp_path_factory.mktemp("gguf-cache")
-        mp.setenv("TLE_CACHE_DIR", str(path))
+    with private_gguf_cache(tmp_path_factory) as path:
         yield path
 
 
