@@ -28,7 +28,8 @@ from engine.models.layers import empty_param
 from engine.models.llama import ArchSpec, LlamaAttention, LlamaDecoderLayer, LlamaModel
 from engine.models.moe import FusedMoE, MoEForCausalLM, Routing
 from engine.models.rope import RotaryEmbedding
-from kernels.torch_mxfp4 import BLOCK, Mxfp4Stack
+from kernels.dispatch import MXFP4_BLOCK as BLOCK
+from kernels.dispatch import Mxfp4Stack
 
 
 def quant_method(config) -> str | None:

@@ -49,6 +49,9 @@ from kernels.dispatch.matmul import (BF16_TILES_MIN_ROWS, DENSE_ROWS_MAX,  # noq
                                      decode_step_plan, dense_linear_rows, gate_up_silu,
                                      invariant_linear, linear, prepare_linear, unpack_linear)
 from kernels.dispatch.moe import ExpertWeights, fused_moe  # noqa: F401
+# gpt-oss's MXFP4 experts: the 32-value block and the stack that holds them.
+from kernels.torch_mxfp4 import BLOCK as MXFP4_BLOCK  # noqa: F401
+from kernels.torch_mxfp4 import Mxfp4Stack  # noqa: F401
 from kernels.gguf_weight import FORMATS as GGUF_FORMATS  # noqa: F401
 from kernels.gguf_weight import GgufWeight  # noqa: F401
 from kernels.linear_weight import LinearWeight  # noqa: F401
