@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from openai_frontend.tool_parsers import harmony
+from openai_frontend.tool_parsers.base import earliest_tag, partial_tag_length
 
 log = logging.getLogger("openai_frontend")
 
@@ -177,7 +178,7 @@ class ReasoningStream:
         reasoning: list[str] = []
         pos = 0
         while True:
-            found = _earliest(buffer, pos, self._grammar.tags)
+            found = earliest_tag(buffer, pos, self._grammar.tags)
             if found is None:
                 break
             at, tag = found
@@ -190,7 +191,7 @@ class ReasoningStream:
             rest = buffer[at + len(tag):] if tag in self._grammar.ends else buffer[at:]
             return "".join(reasoning), rest
         tail = buffer[pos:]
-        keep = _partial_tag_length(tail, self._grammar.tags)
+        keep = partial_tag_length(tail, self._grammar.tags)
         self._held = tail[len(tail) - keep:] if keep else ""
         reasoning.append(tail[:len(tail) - keep])
         return "".join(reasoning), ""
@@ -234,25 +235,6 @@ class HarmonyStream:
                 self._last[message.kind] = message
                 parts[message.kind].append(text)
         return "".join(parts[harmony.REASONING]), "".join(parts[harmony.CONTENT])
-
-
-def _earliest(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for tag in tags:
-        at = text.find(tag, start)
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, tag)
-    return best
-
-
-def _partial_tag_length(text: str, tags: tuple[str, ...]) -> int:
-    """The length of the longest end of `text` that some tag starts with (but is not)."""
-    longest = min(len(text), max(len(t) for t in tags) - 1)
-    for size in range(longest, 0, -1):
-        end = text[-size:]
-        if any(tag.startswith(end) for tag in tags):
-            return size
-    return 0
 
 
 def _prompt_closed_reasoning(grammar: _Grammar, prompt: str) -> bool:

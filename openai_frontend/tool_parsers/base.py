@@ -63,3 +63,24 @@ def held_back(text: str, marker: str) -> int:
         if marker.startswith(text[-size:]):
             return size
     return 0
+
+
+def earliest_tag(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    """The first of `tags` in text[start:] as (position, tag), or None: the streaming
+    parsers' (tool calls, reasoning) scan for their markers."""
+    best: tuple[int, str] | None = None
+    for tag in tags:
+        at = text.find(tag, start)
+        if at >= 0 and (best is None or at < best[0]):
+            best = (at, tag)
+    return best
+
+
+def partial_tag_length(text: str, tags: tuple[str, ...], start: int = 0) -> int:
+    """How many characters at the end of text[start:] could begin one of `tags` (without
+    being one): what a stream holds back until the next delta decides."""
+    for size in range(min(len(text) - start, max(map(len, tags)) - 1), 0, -1):
+        end = text[-size:]
+        if any(tag.startswith(end) for tag in tags):
+            return size
+    return 0

@@ -26,7 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from openai_frontend.tool_parsers.base import Extracted, Scan, ToolCall, arguments_json, plain
+from openai_frontend.tool_parsers.base import (Extracted, Scan, ToolCall, arguments_json,
+                                               earliest_tag, partial_tag_length, plain)
 from openai_frontend.tool_parsers.json_calls import ScanCache
 
 START, END, MESSAGE = "<|start|>", "<|end|>", "<|message|>"
@@ -104,9 +105,9 @@ class HarmonyReader:
                 if self._state == _IN_HEADER:
                     break
             else:
-                found = _earliest(buffer, pos, _BODY_STOPS)
+                found = earliest_tag(buffer, pos, _BODY_STOPS)
                 if found is None:
-                    keep = _partial_tag_length(buffer, pos, _BODY_STOPS)
+                    keep = partial_tag_length(buffer, _BODY_STOPS, pos)
                     self._text(buffer[pos:len(buffer) - keep], events)
                     pos = len(buffer) - keep
                     break
@@ -206,24 +207,6 @@ def _function(recipient: str | None) -> str | None:
     if recipient.split(".", 1)[0] in _BUILTIN_TOOLS:
         return None
     return recipient
-
-
-def _earliest(text: str, start: int, tags: tuple[str, ...]) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for tag in tags:
-        at = text.find(tag, start)
-        if at >= 0 and (best is None or at < best[0]):
-            best = (at, tag)
-    return best
-
-
-def _partial_tag_length(text: str, start: int, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of text[start:] could begin one of `tags`."""
-    for size in range(min(len(text) - start, max(map(len, tags)) - 1), 0, -1):
-        end = text[-size:]
-        if any(tag.startswith(end) for tag in tags):
-            return size
-    return 0
 
 
 def arguments(message: Message) -> str:
