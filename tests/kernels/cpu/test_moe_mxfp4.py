@@ -20,7 +20,7 @@ from kernels.torch_moe import ACTIVATIONS, fused_moe
 from kernels.torch_mxfp4 import Mxfp4Stack
 from testing.mxfp4 import quantize
 from testing.native_build import CAN_DISASSEMBLE, disassemble
-from tests.kernels.cpu.test_moe import check_matches
+from tests.kernels.cpu.test_moe import assert_rows_batch_invariant, check_matches
 
 pytestmark = pytest.mark.skipif(
     (shutil.which("cc") is None and shutil.which("gcc") is None) or cpu_moe._library() is None,
@@ -133,17 +133,8 @@ def test_masked_and_out_of_range_ids_contribute_nothing(dtype):
 def test_a_row_alone_equals_the_row_in_a_batch_of_300(activation, dtype):
     """Batch invariance: a row's bits do not depend on which rows share the call (how many
     share its experts, which thread decoded which rows, which token block)."""
-    x, w13, w2, weights, ids, biases = make_case(300, 16, 4, 256, 128, dtype, bias=True,
-                                                 seed=8)
-    batch = cpu_moe.fused_moe_cpu(x, w13, w2, weights, ids, activation, **biases)
-    for row in (0, 1, 77, 150, 299):
-        alone = cpu_moe.fused_moe_cpu(x[row:row + 1], w13, w2, weights[row:row + 1],
-                                      ids[row:row + 1], activation, **biases)
-        assert torch.equal(alone[0], batch[row]), row
-    rows = torch.tensor([299, 5, 150])
-    again = cpu_moe.fused_moe_cpu(x[rows], w13, w2, weights[rows], ids[rows], activation,
-                                  **biases)
-    assert torch.equal(again, batch[rows])
+    assert_rows_batch_invariant(make_case(300, 16, 4, 256, 128, dtype, bias=True, seed=8),
+                                activation)
 
 
 def test_declines_what_it_does_not_compute():
