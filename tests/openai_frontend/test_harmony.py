@@ -23,6 +23,7 @@ from openai_frontend.tool_calls import ToolCallConfig, ToolStream, plan_tools
 from openai_frontend.tool_parsers import make_parser
 from openai_frontend.tool_parsers.harmony import HEADER_LIMIT, TAGS
 from openai_frontend.triton_client import Chunk
+from tests.openai_frontend.test_reasoning import FakeLLM
 from tests.openai_frontend.tool_parsers.streamed import check_every_cut
 
 # The prompt ends with `<|start|>assistant` (gpt-oss's template), so answers open at
@@ -262,27 +263,6 @@ def test_without_tools_the_reasoning_parser_alone_splits_the_answer():
 
 
 # ---- the route itself, with a fake `llm` model behind it -------------------------------
-
-class FakeLLM:
-    """Answers with `pieces` (streamed) or their join (whole), recording what it was sent."""
-
-    def __init__(self, real, pieces) -> None:
-        self.real, self.pieces = real, pieces
-        self.sent: list[tuple[str, dict]] = []
-
-    async def generate(self, prompt, sampling, stream, logprobs):
-        self.sent.append((prompt, dict(sampling)))
-        pieces = self.pieces if stream else ["".join(self.pieces)]
-        for i, piece in enumerate(pieces):
-            last = i == len(pieces) - 1
-            yield Chunk([piece], ["stop" if last else None], 4, [1], None, final=last)
-
-    async def ready(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        await self.real.close()
-
 
 @pytest.fixture(scope="module")
 def harmony_tokenizer(tmp_path_factory):

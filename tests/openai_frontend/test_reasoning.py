@@ -219,10 +219,8 @@ def test_qwen3_reasoning_then_a_tool_call_whole_and_streamed():
 class FakeLLM:
     """Answers with `pieces` (streamed) or their join (whole), recording what it was sent."""
 
-    pieces = ["<think>Two", " and two.</th", "ink>Four."]
-
-    def __init__(self, real) -> None:
-        self.real = real
+    def __init__(self, real, pieces=("<think>Two", " and two.</th", "ink>Four.")) -> None:
+        self.real, self.pieces = real, list(pieces)
         self.sent: list[tuple[str, dict]] = []
 
     async def generate(self, prompt, sampling, stream, logprobs):
