@@ -28,12 +28,18 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Bump when the conversion changes so stale cached folders are not reused.
 _CONVERSION_VERSION = 3
 _DONE_MARKER = ".complete"
+_CONVERTING = ".convert-"
+_CRASHED_AFTER_S = 24 * 3600
+# What of the file the cache key reads (see _cache_key).
+_HEAD_BYTES = 16 << 20
+_SAMPLE_BYTES, _SAMPLE_WINDOWS = 64 << 10, 32
 # GGUF architectures transformers' reader gained late (the project's floor may be below):
 # the first version that converts them.
 _READER_SINCE = {"gemma3": "4.52", "qwen3": "4.54"}
@@ -74,9 +80,19 @@ def default_gguf_path() -> Path:
 
 
 def _cache_key(gguf: Path) -> str:
-    st = gguf.stat()
-    ident = f"{gguf.resolve()}|{st.st_size}|{st.st_mtime_ns}|v{_CONVERSION_VERSION}"
-    return f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:16]}"
+    """The file's stem and a digest of what it holds, not of where it lies: a reinstalled
+    package or a second clone with the same file shares one entry. Hashing a multi-GB file
+    whole would cost seconds on every start; its size, its head (the header, metadata and
+    tensor index: any change of shape, type or vocabulary shows there), its tail and
+    windows spread through the tensor data stand for it."""
+    size = gguf.stat().st_size
+    digest = hashlib.sha256(f"{size}|v{_CONVERSION_VERSION}".encode())
+    with open(gguf, "rb") as f:
+        digest.update(f.read(_HEAD_BYTES))
+        for i in range(_SAMPLE_WINDOWS + 1):
+            f.seek(max(0, size - _SAMPLE_BYTES) * i // _SAMPLE_WINDOWS)
+            digest.update(f.read(_SAMPLE_BYTES))
+    return f"{gguf.stem}-{digest.hexdigest()[:16]}"
 
 
 def converted_dir_for(gguf: str | os.PathLike) -> Path:
@@ -90,11 +106,11 @@ def converted_dir_for(gguf: str | os.PathLike) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Convert into a private temp dir then rename: concurrent starts each convert, and
     # whichever rename lands first wins; the others discard their copy.
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_CONVERTING, dir=target.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache may be shared
     try:
         _convert(gguf, tmp)
-        (tmp / _DONE_MARKER).write_text(str(gguf) + "\n", encoding="utf-8")
+        (tmp / _DONE_MARKER).write_text(f"{gguf.resolve()}\n", encoding="utf-8")
         try:
             os.rename(tmp, target)
         except OSError:
@@ -105,7 +121,35 @@ def converted_dir_for(gguf: str | os.PathLike) -> Path:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+    _prune(target)
     return target
+
+
+def _prune(kept: Path) -> None:
+    """Remove the entries a new conversion supersedes. An entry is a float32 copy of its
+    file (~4 bytes a parameter: 0.6 GB for the 135M default), and without this every
+    upgrade of a package or changed file left its old copy for good. Gone: other entries
+    of the same file name whose source is this file (it changed) or no longer exists, and
+    conversions that crashed a day or more ago. Entries of other living files stay; an
+    engine still reading a removed entry keeps its open files."""
+    source = (kept / _DONE_MARKER).read_text(encoding="utf-8").strip()
+    stem = kept.name.rsplit("-", 1)[0]
+    stale_before = time.time() - _CRASHED_AFTER_S
+    for entry in kept.parent.iterdir():
+        if entry == kept or not entry.is_dir():
+            continue
+        if entry.name.startswith(_CONVERTING):
+            if entry.stat().st_mtime < stale_before:
+                shutil.rmtree(entry, ignore_errors=True)
+            continue
+        if not re.fullmatch(re.escape(stem) + r"-[0-9a-f]{16}", entry.name):
+            continue
+        marker = entry / _DONE_MARKER
+        if not marker.is_file():
+            continue  # being renamed into place by a concurrent start
+        recorded = marker.read_text(encoding="utf-8").strip()
+        if recorded == source or not Path(recorded).is_file():
+            shutil.rmtree(entry, ignore_errors=True)
 
 
 def _convert(gguf: Path, out: Path) -> None:

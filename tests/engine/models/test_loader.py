@@ -161,7 +161,8 @@ def test_incomplete_or_misshapen_checkpoint(tiny_dir, tmp_path):
 
 
 def test_gguf_cache_key_and_reuse(tmp_path, monkeypatch):
-    monkeypatch.setenv("TLE_CACHE_DIR", str(tmp_path / "cache"))
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("TLE_CACHE_DIR", str(cache))
     fake = tmp_path / "m.gguf"
     fake.write_bytes(b"GGUF")
     calls = []
@@ -172,14 +173,40 @@ def test_gguf_cache_key_and_reuse(tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf_cache, "_convert", fake_convert)
     first = gguf_cache.converted_dir_for(fake)
-    assert first.parent == tmp_path / "cache" and (first / "config.json").is_file()
+    assert first.parent == cache and (first / "config.json").is_file()
     assert gguf_cache.converted_dir_for(fake) == first and len(calls) == 1
-    # A changed file (size/mtime) gets a new entry.
+    # The same bytes elsewhere (a second clone, a reinstall) share the entry.
+    clone = tmp_path / "clone" / "m.gguf"
+    clone.parent.mkdir()
+    clone.write_bytes(b"GGUF")
+    assert gguf_cache.converted_dir_for(clone) == first and len(calls) == 1
+    # Another living file of the same name keeps its own entry beside ours.
+    (clone.parent / "m.gguf").write_bytes(b"GGUF-other")
+    other = gguf_cache.converted_dir_for(clone)
+    assert other != first and first.is_dir() and len(calls) == 2
+    # A changed file gets a new entry, and its old one goes (one copy per file, not one
+    # per version ever seen).
     fake.write_bytes(b"GGUF-v2")
-    os.utime(fake, ns=(1, 1))
     second = gguf_cache.converted_dir_for(fake)
-    assert second != first and len(calls) == 2
-    assert not [p for p in (tmp_path / "cache").iterdir() if p.name.startswith(".convert")]
+    assert second != first and len(calls) == 3
+    assert not first.exists() and other.is_dir()
+    # An entry whose file is gone goes at the next conversion of that name; a crashed
+    # conversion's leftovers go once they are a day old, a running one's stay.
+    clone.unlink()
+    crashed, running = cache / ".convert-crashed", cache / ".convert-running"
+    crashed.mkdir(), running.mkdir()
+    os.utime(crashed, (1, 1))
+    fake.write_bytes(b"GGUF-v3")
+    third = gguf_cache.converted_dir_for(fake)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([third.name, running.name])
+    # Only the head, the tail and sampled windows are read: a byte changed in a large
+    # file's sampled region changes the key.
+    big = bytearray(64 << 20)
+    fake.write_bytes(bytes(big))
+    key = gguf_cache._cache_key(fake)
+    big[-1] = 1
+    fake.write_bytes(bytes(big))
+    assert gguf_cache._cache_key(fake) != key
 
 
 @pytest.mark.slow
