@@ -5,6 +5,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.faults import FaultPlan
+from testing.hf_reference import hf_causal_lm, hf_greedy_ids
 from testing.tiny_model import make_tiny_model_dir
 
 PROMPTS = [
@@ -16,21 +17,6 @@ PROMPTS = [
     "A" * 3,
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def hf_greedy(model_dir, prompt_ids_list, max_new_tokens):
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.eval()
-    # Like ignore_eos: never stop early, and do not mask EOS either.
-    model.generation_config.eos_token_id = None
-    outs = []
-    for ids in prompt_ids_list:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])
@@ -47,7 +33,7 @@ def test_greedy_matches_hf_in_one_batch(tiny):
     llm = LLM(tiny, dtype="float32", num_kv_blocks=256, block_size=16)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
-    assert generate_ids(llm, ids) == hf_greedy(tiny, ids, GREEDY.max_tokens)
+    assert generate_ids(llm, ids) == hf_greedy_ids(tiny, ids, GREEDY.max_tokens)
 
 
 def test_preemption_chunking_and_prefix_hits_do_not_change_greedy_output(tiny):
@@ -193,8 +179,7 @@ def two_eos(tiny, tmp_path_factory):
 
 def hf_generate(model_dir, prompt_ids, **kwargs):
     """HF greedy generate with the folder's own generation_config (its EOS list)."""
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = hf_causal_lm(model_dir, torch.float32)
     with torch.no_grad():
         gen = model.generate(torch.tensor([prompt_ids]), do_sample=False, pad_token_id=0, **kwargs)
     return gen[0, len(prompt_ids):].tolist()
@@ -370,4 +355,4 @@ def test_smollm2_greedy_matches_hf():
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    assert generate_ids(llm, ids, params) == hf_greedy(model_dir, ids, 32)
+    assert generate_ids(llm, ids, params) == hf_greedy_ids(model_dir, ids, 32)

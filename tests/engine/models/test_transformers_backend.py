@@ -12,7 +12,7 @@ from engine import LLM, SamplingParams
 from engine.models import load_model
 from engine.models.registry import NATIVE_MODELS, model_class_for
 from engine.models.transformers_backend import TransformersForCausalLM
-from testing.hf_reference import hf_causal_lm
+from testing.hf_reference import hf_causal_lm, hf_greedy_ids
 from testing.model_batch import (PagedBatchBuilder, check_bf16_tracks_hf,
                                   check_mixed_batches_match_hf, hf_logits, run_chunks)
 from testing.tiny_hf_model import make_tiny_hf_dir
@@ -86,18 +86,6 @@ PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there li
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
-def hf_greedy(model_dir, prompt_ids_list, max_new_tokens):
-    model = hf_causal_lm(model_dir, torch.float32, attn_implementation="eager")
-    model.generation_config.eos_token_id = None  # as ignore_eos: never stop, never mask
-    outs = []
-    for ids in prompt_ids_list:
-        with torch.no_grad():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                 do_sample=False, pad_token_id=0)
-        outs.append(gen[0, len(ids):].tolist())
-    return outs
-
-
 def generate_ids(llm, prompts, params=GREEDY):
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
@@ -120,7 +108,7 @@ def test_greedy_matches_hf_generate_in_one_batch(tiny_dir):
     assert isinstance(llm.llm_engine.loaded.model, TransformersForCausalLM)
     tok = llm.get_tokenizer()
     ids = [tok.encode(p) for p in PROMPTS]
-    assert generate_ids(llm, ids) == hf_greedy(tiny_dir, ids, GREEDY.max_tokens)
+    assert generate_ids(llm, ids) == hf_greedy_ids(tiny_dir, ids, GREEDY.max_tokens)
 
 
 def test_chunking_prefix_hits_and_preemption_keep_greedy_output(tiny_dir):
