@@ -28,6 +28,11 @@ from engine.structured_output.grammar import GrammarCompiler
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.output.detokenizer import CONTEXT_TOKENS
 
+# The pooling runner's request parameters and outputs (vLLM's names; torch-free).
+from engine.pooling.params import PoolingParams
+from engine.pooling.outputs import (EmbeddingOutput, EmbeddingRequestOutput, PoolingOutput,
+                                    PoolingRequestOutput, ScoringOutput, ScoringRequestOutput)
+
 # The scheduler without a model: tests, the replay and the router simulation.
 from engine.core.request import Request, RequestStatus
 from engine.core.sched_output import SchedulerOutput, SchedulerStats
@@ -59,6 +64,8 @@ __all__ = sorted([
     "LoRARequest", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams",
     "GrammarCompiler", "check_tenant",
     "CONTEXT_TOKENS", "CompletionOutput", "Logprob", "RequestOutput",
+    "PoolingParams", "EmbeddingOutput", "EmbeddingRequestOutput", "PoolingOutput",
+    "PoolingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
     "KVCacheLayout", "Request", "RequestStatus", "Scheduler", "SchedulerOutput",
     "SchedulerStats", "build_layout", "step_features",
     "BlockHasher", "encode_batch", "external_hash",

@@ -67,9 +67,11 @@ class InputProcessor:
                 raise ValueError(f"request id {rid!r} is already in use")
             self._check_admissible(rid, len(token_ids))
         self._check_vocabulary(token_ids, params)
-        if params.logprobs is not None and params.logprobs > self._max_logprobs:
-            raise ValueError(f"SamplingParams.logprobs must be <= max_logprobs "
-                             f"({self._max_logprobs}), got {params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self._max_logprobs:
+                raise ValueError(f"SamplingParams.{name} must be <= max_logprobs "
+                                 f"({self._max_logprobs}), got {asked}")
         if lora_request is not None:
             if self._lora is None:
                 raise ValueError(f"LoRA adapter {lora_request.lora_name!r} requested, but the "

@@ -1,4 +1,6 @@
-"""Offline generation: LLM(model).generate(prompts, params) -> outputs in input order."""
+"""Offline inference: LLM(model).generate(prompts, params) -> outputs in input order; with
+runner="pooling", LLM(model, runner="pooling").embed(prompts) and .score(text_1, text_2)
+(engine/pooling/offline.py)."""
 from __future__ import annotations
 
 import dataclasses
@@ -11,6 +13,9 @@ from engine.faults import FaultPlan
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
 from engine.outputs import RequestOutput
+from engine.pooling import offline
+from engine.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
+from engine.pooling.params import PoolingParams
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
@@ -41,6 +46,9 @@ class LLM:
         """`lora_request`: one adapter for every prompt, or a list with one per prompt
         (None: the base model), as vLLM's. `tenants`: one per prompt, whose share each
         counts against under policy="fair" (None: the tenant "default")."""
+        if self.llm_engine.pooling is not None:
+            raise ValueError("LLM.generate() needs runner='generate'; this LLM runs "
+                             "runner='pooling' (use LLM.embed() / LLM.score())")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -97,3 +105,26 @@ class LLM:
         prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True)
                    for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def embed(self, prompts: Prompt | Sequence[Prompt],
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *,
+              use_tqdm: bool | None = None, tokenization_kwargs: dict | None = None
+              ) -> list[EmbeddingRequestOutput]:
+        """vLLM's: one embedding per prompt (`.outputs.embedding`, a list of floats), in
+        input order. Needs runner="pooling" and an embedding model. `tokenization_kwargs`:
+        {"truncate_prompt_tokens": k}, where vLLM 0.32 takes it."""
+        return offline.embed(self.llm_engine, self._new_id, prompts, pooling_params,
+                             use_tqdm, tokenization_kwargs)
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *,
+              use_tqdm: bool | None = None, pooling_params: PoolingParams | None = None,
+              tokenization_kwargs: dict | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's: a score per pair (1 -> N or N -> N), `.outputs.score`; a cross-encoder
+        scores each pair as one input, an embedding model by the embeddings' cosine."""
+        return offline.score(self.llm_engine, self._new_id, data_1, data_2, pooling_params,
+                             use_tqdm, tokenization_kwargs)
+
+    def _new_id(self) -> str:
+        rid = str(self._next_id)
+        self._next_id += 1
+        return rid

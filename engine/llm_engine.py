@@ -1,4 +1,9 @@
-"""LLMEngine: add requests, step, stream per-step deltas, abort."""
+"""LLMEngine: add requests, step, stream per-step deltas, abort. One runner per engine
+(vLLM's `runner`): generation here, or pooling (embeddings, cross-encoder scores), whose
+loop is engine/pooling/engine.py's PoolingEngine and which this class hands its calls.
+
+Over 300 lines: the generation step loop and its failure handling, plus the few lines
+that route each public call to the pooling runner when the engine serves one."""
 from __future__ import annotations
 
 import logging
@@ -7,6 +12,7 @@ from typing import Iterable
 
 from engine.config import EngineConfig
 from engine.config.generation import load_sampling_defaults
+from engine.config.runner import resolve_runner
 from engine.core.kv_cache.publisher import NullEventPublisher
 from engine.core.request import RequestStatus
 from engine.core.sched_output import SchedulerOutput
@@ -17,6 +23,9 @@ from engine.metrics.trace import NullTrace
 from engine.models.model_files import resolve_model_dir
 from engine.output.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.pooling.engine import PoolingEngine, PoolingStepFailed
+from engine.pooling.outputs import PoolingRequestOutput
+from engine.pooling.params import PoolingParams
 from engine.sample.sampler import SamplingError
 from engine.sampling_params import SamplingParams
 from engine.startup import start_engine
@@ -70,6 +79,12 @@ class LLMEngine:
         elif engine_args:
             raise ValueError("pass either an EngineConfig or engine arguments, not both")
         self._tensor_parallel = self.kv_events = self.trace = None  # what close() stops
+        # runner="pooling": the engine that does the work (None for generation).
+        self.pooling: PoolingEngine | None = None
+        choice = resolve_runner(config.runner, config.convert, resolve_model_dir(config.model))
+        if choice.runner == "pooling":
+            self._start_pooling(config, choice, faults)
+            return
         # vLLM's generation_config: the sampling values a request's absent keys take, read
         # once; before the weights load, so a bad file fails at once (nothing to stop yet).
         self.sampling_defaults = load_sampling_defaults(
@@ -105,12 +120,39 @@ class LLMEngine:
         # one, a prefill's last chunk samples one more).
         self.last_step_num_tokens = 0
 
+    def _start_pooling(self, config: EngineConfig, choice, faults: FaultPlan | None) -> None:
+        """runner="pooling": the attributes callers read, from the pooling engine."""
+        pooling = self.pooling = PoolingEngine(config, choice, faults)
+        self.config, self.loaded, self.tokenizer = pooling.config, pooling.loaded, pooling.tokenizer
+        self.scheduler, self.runner = pooling.scheduler, pooling.runner
+        self.sampling_defaults = self.grammar_compiler = self.lora = None
+        self.trace, self.kv_events = NullTrace(), NullEventPublisher()
+        self._grammar_waitlist = GrammarWaitlist()  # stays empty
+        self.eos_token_ids = tuple(pooling.loaded.eos_token_ids)
+        self.last_step_num_tokens = 0  # prompt_tokens_total: the pooling engine counts
+
+    @property
+    def runner_type(self) -> str:
+        """vLLM's: "generate" or "pooling", the one kind of request this engine serves."""
+        return "generate" if self.pooling is None else "pooling"
+
     # ---- requests -----------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int],
-                    params: SamplingParams | None = None, priority: int = 0,
+    def add_request(self, request_id: str, prompt: str | list[int] | tuple[str, str],
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None, cache_salt: str | None = None,
                     lora_request: LoRARequest | None = None, tenant: str | None = None) -> None:
-        """Raises ValueError naming what is wrong (engine/input_processor.py checks)."""
+        """Raises ValueError naming what is wrong (engine/input_processor.py checks; for
+        runner="pooling", engine/pooling/inputs.py's, and `prompt` may also be a
+        (text, text_pair) tuple for a cross-encoder)."""
+        if self.pooling is not None:
+            if lora_request is not None or cache_salt is not None:
+                raise ValueError("lora_request and cache_salt: not supported with "
+                                 "runner='pooling'")
+            return self.pooling.add_request(request_id, prompt, params, priority,
+                                            arrival_time, tenant)
+        if isinstance(params, PoolingParams):
+            raise ValueError("PoolingParams: this engine runs runner='generate'; pooling "
+                             "requests need an engine started with runner='pooling'")
         req = self.input_processor.process(request_id, prompt, params, priority, arrival_time,
                                            cache_salt, lora_request, tenant)
         # n > 1: added back to back, so the later children hit the first one's prompt blocks.
@@ -125,7 +167,10 @@ class LLMEngine:
         # The prompt as received, once per request whatever n is.
         self.prompt_tokens_total += len(req.token_ids)
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+    def abort_request(self, request_ids: str | Iterable[str]
+                      ) -> list[RequestOutput] | list[PoolingRequestOutput]:
+        if self.pooling is not None:
+            return self.pooling.abort_request(request_ids)
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         sequence_ids = self._parallel.sequence_ids(request_ids)
@@ -150,11 +195,22 @@ class LLMEngine:
         request (engine/output/output_processor.py). Raises EngineStepError naming the
         requests it aborted: those whose sampling failed on their own (the rest of the
         batch resamples next step), or, when the model failed, every request of the step.
-        The engine is then ready for the next step."""
+        The engine is then ready for the next step. runner="pooling": the
+        PoolingRequestOutputs of the requests whose prompt the step completed."""
+        if self.pooling is not None:
+            return self._pooling_step()
         try:
             return self._step()
         finally:
             self._publish_kv_events()
+
+    def _pooling_step(self) -> list[PoolingRequestOutput]:
+        try:
+            return self.pooling.step()
+        except PoolingStepFailed as exc:
+            raise EngineStepError(str(exc), exc.failed_request_ids) from exc.__cause__
+        finally:
+            self.last_step_num_tokens = self.pooling.last_step_num_tokens
 
     def _step(self) -> list[RequestOutput]:
         self._admit_compiled()
@@ -179,7 +235,7 @@ class LLMEngine:
         self.last_step_num_tokens = sched_out.total_num_scheduled_tokens + sum(
             1 for request in updated if request.num_output_tokens == 1)
         trace.requests_updated(updated)
-        outputs = self.output_processor.process(updated, result.logprobs)
+        outputs = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         trace.step_ended(self.scheduler.num_preemptions_total)  # its time includes the outputs
         return outputs
 
@@ -249,7 +305,8 @@ class LLMEngine:
                            prefix_cache_queries=s.prefix_cache_queries,
                            prefix_cache_hits=s.prefix_cache_hits,
                            num_preemptions_total=s.num_preemptions_total,
-                           prompt_tokens_total=self.prompt_tokens_total,
+                           prompt_tokens_total=self.prompt_tokens_total if self.pooling is None
+                           else self.pooling.prompt_tokens_total,
                            generation_tokens_total=s.generation_tokens_total,
                            running_lora_adapters=s.running_lora_adapters,
                            waiting_lora_adapters=s.waiting_lora_adapters,

@@ -53,6 +53,11 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # SamplingParams.prompt_logprobs (vLLM's layout): one entry per prompt position, None
+    # for the first (nothing precedes it), then {token_id: Logprob} with the prompt's own
+    # token first (its rank over the vocabulary) and the top k ranked 1..k. In the first
+    # output that has them; DELTA: only there; CUMULATIVE: in every output from then on.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass(slots=True)

@@ -107,6 +107,10 @@ class SamplingParams:
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # number of top logprobs per token; 0 = sampled only
+    # vLLM's: logprobs of the prompt's own tokens (each position from the one before it),
+    # plus the top k there; 0 = the prompt token's only. Computed from the prefill's
+    # logits, so such a request reads no prefix-cache hits (engine/core/kv_cache/manager.py).
+    prompt_logprobs: int | None = None
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -167,6 +171,12 @@ class SamplingParams:
                f"must be <= max_tokens ({self.max_tokens})", self.min_tokens)
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                "must be a non-negative integer", self.logprobs)
+        # vLLM's -1 (the whole vocabulary at every prompt position) is refused rather than
+        # mapped: its result is prompt length x vocabulary entries.
+        _check(self.prompt_logprobs is None
+               or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", "must be a non-negative integer (-1, the whole vocabulary, "
+               "is not supported)", self.prompt_logprobs)
         _check(_is_finite(self.repetition_penalty) and self.repetition_penalty > 0,
                "repetition_penalty", "must be a finite number > 0", self.repetition_penalty)
         _check(_is_finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,

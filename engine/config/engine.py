@@ -10,6 +10,7 @@ from engine.config.checks import check_positive
 from engine.config.generation import check_generation_config, parse_override
 from engine.config.kv_events import KVEventsConfig
 from engine.config.lora import LoRAConfig
+from engine.config.runner import check_runner_args
 from engine.config.scheduler import SchedulerConfig
 from engine.values import convert
 
@@ -78,8 +79,18 @@ class EngineConfig:
     # vLLM's override_generation_config: generation_config.json keys merged over that
     # (with "vllm", alone), e.g. {"temperature": 0.5}; None: none.
     override_generation_config: dict | None = None
+    # vLLM's runner: "generate" (tokens), "pooling" (one vector per prompt: embeddings,
+    # a cross-encoder's scores; engine/pooling/) or "auto" (pooling for the encoders and
+    # sentence-transformers folders, else generate; engine/config/runner.py).
+    runner: str = "auto"
+    # vLLM's convert: "embed" pools a causal LM's final hidden states; "auto" picks it
+    # under runner "pooling" for a causal LM; "none" keeps the model as it is.
+    convert: str = "auto"
+    # vLLM <= 0.12's task, folded into runner/convert here ("embed", "score", ...).
+    task: str | None = None
 
     def __post_init__(self) -> None:
+        self.runner, self.convert = check_runner_args(self.runner, self.convert, self.task)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

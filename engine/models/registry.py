@@ -21,6 +21,18 @@ NATIVE_MODELS: dict[str, str] = {
     "GptOssForCausalLM": "engine.models.gpt_oss:GptOssForCausalLM",
 }
 
+# Encoders for the pooling runner only (engine/config/runner.py ENCODER_TASKS names the
+# task of each); never picked for generation.
+POOLING_MODELS: dict[str, str] = {
+    arch: "engine.models.bert:BertPoolingModel" for arch in (
+        "BertModel", "RobertaModel", "XLMRobertaModel", "BertForSequenceClassification",
+        "RobertaForSequenceClassification", "XLMRobertaForSequenceClassification")}
+
+
+def pooling_class(arch: str) -> type[nn.Module]:
+    module, _, name = POOLING_MODELS[arch].partition(":")
+    return getattr(importlib.import_module(module), name)
+
 
 def native_class(arch: str) -> type[nn.Module]:
     module, _, name = NATIVE_MODELS[arch].partition(":")

@@ -14,6 +14,11 @@ stream_interval.
   interval applies, which then counts the parent's most advanced sequence: one output
   carries every sequence.
 
+Prompt logprobs (SamplingParams.prompt_logprobs) arrive from the runner once, with the
+request's first token (engine/sample/prompt_logprobs.py), and go out with its first
+output from then on: DELTA only there, CUMULATIVE in every later output too (vLLM's),
+FINAL_ONLY in its one output.
+
 Token timing is stamped here at every step a request samples, whether an output goes out
 or not (RequestMetrics.first_token_time / inter_token_latencies)."""
 from __future__ import annotations
@@ -41,6 +46,21 @@ def position_logprobs(token_id: int, lp: Any) -> dict[int, Logprob]:
     for rank, (top_id, value) in enumerate(lp.top.items(), start=1):
         entries[top_id] = Logprob(value, rank)
     return entries
+
+
+def prompt_position_logprobs(prompt: Any) -> list[dict[int, Logprob] | None]:
+    """The runner's PromptLogprobs as vLLM lays them out: None for the first position,
+    then per position the prompt's token first with its own rank, then the top k ranked
+    1..k (as position_logprobs)."""
+    out: list[dict[int, Logprob] | None] = [None]
+    for token_id, value, rank, top_ids, top_values in zip(
+            prompt.token_ids, prompt.logprobs, prompt.ranks, prompt.top_ids, prompt.top_values,
+            strict=True):
+        entries = {token_id: Logprob(value, rank)}
+        for top_rank, (top_id, top_value) in enumerate(zip(top_ids, top_values), start=1):
+            entries[top_id] = Logprob(top_value, top_rank)
+        out.append(entries)
+    return out
 
 
 @dataclass(slots=True)
@@ -82,6 +102,8 @@ class _Sequence:
     client: _Client
     cumulative_logprob: float | None
     logprobs: list[dict[int, float]] | None
+    # Laid out when the runner hands them over; DELTA drops them once they went out.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class OutputProcessor:
@@ -108,15 +130,19 @@ class OutputProcessor:
         self.parallel.track(request_id, prompt, prompt_token_ids, params,
                             [r.request_id for r in requests])
 
-    def process(self, updated: Iterable[Request], logprobs: Mapping[str, Any]
-                ) -> list[RequestOutput]:
+    def process(self, updated: Iterable[Request], logprobs: Mapping[str, Any],
+                prompt: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """The outputs due after a step; `updated`: the requests that got tokens in it,
-        `logprobs`: the runner's TokenLogprobs by request id."""
+        `logprobs`: the runner's TokenLogprobs by request id, `prompt`: the prompt
+        logprobs the step completed (engine/sample/prompt_logprobs.py), by request id."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
+        prompt = prompt or {}
         for request in updated:
             rid = request.request_id
             seq = self._sequences[rid]
+            if rid in prompt:
+                seq.prompt_logprobs = prompt_position_logprobs(prompt[rid])
             lp = logprobs.get(rid)
             if lp is not None and seq.logprobs is not None:
                 seq.cumulative_logprob += lp.sampled
@@ -168,12 +194,16 @@ class OutputProcessor:
             stop_reason=request.stop_reason,
             finished_on_stop_token=request.finished_on_stop_token, delta_text=delta_text,
             delta_token_ids=delta_ids, delta_logprobs=delta_logprobs)
+        prompt_logprobs = seq.prompt_logprobs
+        if seq.client.kind is DELTA:
+            seq.prompt_logprobs = None  # sent once
         return RequestOutput(request.request_id, seq.prompt, request.prompt_token_ids,
                              [completion], finished,
                              num_cached_tokens=max(request.num_cached_tokens, 0),
                              metrics=RequestMetrics(request.arrival_time,
                                                     request.first_scheduled_time,
-                                                    num_preemptions=request.num_preemptions))
+                                                    num_preemptions=request.num_preemptions),
+                             prompt_logprobs=prompt_logprobs)
 
     def _due(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Those of `outputs` to hand out now, with what was held before them; the rest
@@ -209,4 +239,6 @@ def _after(held: RequestOutput, out: RequestOutput, kind: RequestOutputKind) -> 
         if kind is DELTA:
             merged.text, merged.token_ids, merged.logprobs = text, token_ids, logprobs
         completions.append(merged)
-    return dataclasses.replace(out, outputs=completions)
+    # A held DELTA output may have carried the prompt logprobs, sent once.
+    prompt_logprobs = held.prompt_logprobs if out.prompt_logprobs is None else out.prompt_logprobs
+    return dataclasses.replace(out, outputs=completions, prompt_logprobs=prompt_logprobs)

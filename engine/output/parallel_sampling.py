@@ -13,6 +13,11 @@ token, whose logits it samples from). Without prefix caching each child prefills
 Seeds follow vLLM: child i samples with seed + i when a seed is given; without a seed
 every child draws from the engine's generator.
 
+Prompt logprobs: only child 0 asks for them (the prompt is the same for all): it
+recomputes the whole prompt (a request with prompt_logprobs reads no prefix hits), and
+the siblings still hit its blocks. The parent's outputs carry them from child 0's first
+output on, by the parent's output kind (as a single request's, output_processor.py).
+
 Output kinds (engine/sampling_params.py RequestOutputKind) hold per family: a FINAL_ONLY
 parent gets its one output once every child has finished; a child with no news in a
 streamed parent output is empty in DELTA and its output so far in CUMULATIVE."""
@@ -45,10 +50,14 @@ def fan_out(request_id: str, params: SamplingParams) -> list[tuple[str, Sampling
     if params.n == 1:
         return [(request_id, params)]
     if params.seed is None:
-        shared = dataclasses.replace(params, n=1)
-        return [(child_request_id(i, request_id), shared) for i in range(params.n)]
+        shared = dataclasses.replace(params, n=1, prompt_logprobs=None)
+        first = (shared if params.prompt_logprobs is None
+                 else dataclasses.replace(params, n=1))
+        return [(child_request_id(i, request_id), first if i == 0 else shared)
+                for i in range(params.n)]
     return [(child_request_id(i, request_id),
-             dataclasses.replace(params, n=1, seed=child_seed(params.seed, i)))
+             dataclasses.replace(params, n=1, seed=child_seed(params.seed, i),
+                                 prompt_logprobs=params.prompt_logprobs if i == 0 else None))
             for i in range(params.n)]
 
 
@@ -64,9 +73,13 @@ class _Family:
     finished: list[bool]
     num_cached_tokens: int | None = None
     metrics: RequestMetrics | None = None
+    # Child 0's, once its output brought them; DELTA drops them once they went out.
+    prompt_logprobs: list | None = None
 
     def record(self, index: int, out: RequestOutput) -> CompletionOutput:
         completion = dataclasses.replace(out.outputs[0], index=index)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.completions[index] = completion
         self.finished[index] = out.finished
         # The parent reports what its first admission found: the smallest hit, and the
@@ -84,9 +97,12 @@ class _Family:
 
     def output(self, fresh: dict[int, CompletionOutput]) -> RequestOutput:
         completions = [fresh.get(i) or _quiet(c, self.kind) for i, c in enumerate(self.completions)]
+        prompt_logprobs = self.prompt_logprobs
+        if self.kind is RequestOutputKind.DELTA:
+            self.prompt_logprobs = None  # sent once
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, completions,
                              all(self.finished), num_cached_tokens=self.num_cached_tokens or 0,
-                             metrics=self.metrics)
+                             metrics=self.metrics, prompt_logprobs=prompt_logprobs)
 
 
 def _earlier(a: RequestMetrics, b: RequestMetrics) -> bool:

@@ -11,7 +11,7 @@ Over 300 lines: a step's batch tensors, per-group metadata, forward and sampling
 the runner's persistent buffers."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -23,6 +23,8 @@ from engine.faults import FaultPlan, InjectedFailure
 from engine.models import AttentionMetadata
 from engine.models.layers import Linear
 from engine.models.loader import LoadedModel
+from engine.sample.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker,
+                                           StepPromptRows, for_each_slice)
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.worker import host_memory
@@ -45,6 +47,9 @@ class TokenLogprobs:
 class RunnerOutput:
     sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, TokenLogprobs]
+    # SamplingParams.prompt_logprobs completed in the step, by request id
+    # (engine/sample/prompt_logprobs.py): handed over once, with the first sampled token.
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -59,6 +64,9 @@ class StepInputs:
     sample_rows: torch.Tensor | None
     # enable_lora: the step's rows by adapter (every rank applies it to its shards).
     lora: "LoRAStepPlan | None" = None
+    # Rows whose logits give prompt logprobs (engine/sample/prompt_logprobs.py); every
+    # rank computes them, a slice at a time, since the lm_head's gather is a collective.
+    prompt_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> "StepInputs":
         if isinstance(self.meta, AttentionMetadata):
@@ -66,8 +74,9 @@ class StepInputs:
         else:
             meta = tuple(_meta_to(m, device) for m in self.meta)
         rows = None if self.sample_rows is None else self.sample_rows.to(device)
+        prompt_rows = None if self.prompt_rows is None else self.prompt_rows.to(device)
         return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows,
-                          self.lora)
+                          self.lora, prompt_rows)
 
 
 def _padded_table(tables: list[list[int]]) -> torch.Tensor:
@@ -120,6 +129,8 @@ class ModelRunner:
         self._pinned = self.device.type == "cuda"
         # enable_lora: groups each step's rows by adapter for the wrapped layers.
         self.lora = lora
+        # SamplingParams.prompt_logprobs: per request, the prompt rows computed so far.
+        self.prompt_logprobs = PromptLogprobsTracker()
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Decode-only steps run through DecodeGraphs: captured CUDA graphs when `capture`
@@ -137,6 +148,9 @@ class ModelRunner:
         # First, as vLLM V1's runner: a finished id may come back as a new request now.
         for request_id in out.finished_req_ids:
             self.sampler.free(request_id)
+            self.prompt_logprobs.free(request_id)
+        for request_id in out.preempted_req_ids:
+            self.prompt_logprobs.drop(request_id)
         requests = out.scheduled_requests
         if not requests:
             return RunnerOutput({}, {})
@@ -146,17 +160,20 @@ class ModelRunner:
         input_ids, positions, meta, sample_rows, sample_reqs = self._prepare(out)
         plan = None if self.lora is None else self.lora.plan_step(
             requests, [out.num_scheduled_tokens[r.request_id] for r in requests])
+        prompt_rows = self.prompt_logprobs.plan(out)
         inputs = StepInputs(input_ids, positions, meta, sample_rows if sample_reqs else None,
-                            plan)
+                            plan, None if prompt_rows is None else self._upload(prompt_rows.rows))
         if self.send_step is not None:
             self.send_step(inputs)
-        logits = self.forward(inputs)
+        logits = self.forward(inputs, prompt_rows)
         if logits is None:
             return RunnerOutput({}, {})
         metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
         result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
         sampled = {r.request_id: [t] for r, t in zip(sample_reqs, token_ids)}
+        # Only once sampling succeeded: a failed step's requests sample again later.
+        prompt_logprobs = self.prompt_logprobs.take_completed(sample_reqs)
         logprobs: dict[str, TokenLogprobs] = {}
         if result.sampled_logprobs is not None:
             chosen = result.sampled_logprobs.tolist()
@@ -169,20 +186,23 @@ class ModelRunner:
                     continue
                 top = dict(zip(top_ids[row][:k], top_vals[row][:k])) if top_ids and k else {}
                 logprobs[request.request_id] = TokenLogprobs(chosen[row], top, ranks[row])
-        return RunnerOutput(sampled, logprobs)
+        return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
-    def forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def forward(self, inputs: StepInputs, prompt_rows: StepPromptRows | None = None
+                ) -> torch.Tensor | None:
         """The model's part of a step (what every tensor-parallel rank runs): logits of
-        the sampled rows, or None when none samples."""
+        the sampled rows, or None when none samples. The logits of inputs.prompt_rows are
+        computed too and reduced into `prompt_rows` (rank 0; workers pass None)."""
         if self.lora is None or inputs.lora is None:
-            return self._forward(inputs)
+            return self._forward(inputs, prompt_rows)
         self.lora.apply(inputs.lora)
         try:
-            return self._forward(inputs)
+            return self._forward(inputs, prompt_rows)
         finally:
             self.lora.clear_step()
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor | None:
+    def _forward(self, inputs: StepInputs, prompt_rows: StepPromptRows | None
+                 ) -> torch.Tensor | None:
         hidden = None
         meta = inputs.meta
         one_group = isinstance(meta, AttentionMetadata)
@@ -192,9 +212,15 @@ class ModelRunner:
         if hidden is None:
             layer_meta = meta if one_group else [meta[g] for g in self.layout.layer_group]
             hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, layer_meta)
-        if inputs.sample_rows is None:
-            return None
-        return self.model.compute_logits(hidden[inputs.sample_rows], upcast=False)
+        # The sampled rows' logits in one call of their own, as without prompt rows, so
+        # the sampled tokens stay what they were (batch_invariant included).
+        logits = (None if inputs.sample_rows is None
+                  else self.model.compute_logits(hidden[inputs.sample_rows], upcast=False))
+        if inputs.prompt_rows is not None:
+            for_each_slice(inputs.prompt_rows, hidden, self.vocab_size,
+                           self.model.compute_logits,
+                           None if prompt_rows is None else prompt_rows.reduce)
+        return logits
 
     def _prepare(self, out: SchedulerOutput):
         requests = out.scheduled_requests

@@ -69,8 +69,13 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[GroupBlocks, int]:
         """Longest cached prefix of full blocks that every group can resume from, as
         each group's blocks for it and its length in tokens. The last token is always
-        left to compute, because its logits are needed to sample."""
-        if not self.enable_caching:
+        left to compute, because its logits are needed to sample.
+
+        A request with SamplingParams.prompt_logprobs reads no hits (vLLM's rule): a
+        cached block holds K/V but no logits, and each prompt position's logits are what
+        its prompt logprobs come from, so the whole prompt is recomputed. Its blocks are
+        still registered for others, as any request's."""
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self.no_hits, 0
         hashes = update_block_hashes(request, self.block_size, self.hasher)
         max_blocks = (request.num_tokens - 1) // self.block_size
