@@ -102,7 +102,8 @@ class EngineModel:
             except Exception as exc:  # noqa: BLE001 - a bad request must never reach the server
                 triton_io.send_error(sender, f"could not parse request: {exc}", triton_io.INVALID_ARG)
                 continue
-            self._loop.submit(inflight)
+            if inflight is not None:  # None: make_inflight answered it already
+                self._loop.submit(inflight)
         return None
 
     def _build_engine(self, engine_cls, config, faults):
@@ -134,14 +135,20 @@ class EngineModel:
         self.engine.lora.stage(adapter)
         return adapter
 
-    def make_inflight(self, request: Any, request_id: str, sender: Any, arrival: float) -> Inflight:
+    def make_inflight(self, request: Any, request_id: str, sender: Any,
+                      arrival: float) -> Inflight | None:
         """Read and check one Triton request, on Triton's execute thread, and return what
         the engine loop needs: the prompt (the `llm` model tokenizes it here), the sampling
         parameters, the response builder and the priority; `sender` and `arrival` (a
         time.monotonic() stamp) are carried along. Nothing reaches the engine here: the
-        caller submits the result. InvalidRequest, or any other exception, makes the caller
-        send one FINAL INVALID_ARG response and skip the request."""
+        caller submits the result. None: a request that needs no engine, answered already
+        (answer_now). InvalidRequest, or any other exception, makes the caller send one
+        FINAL INVALID_ARG response and skip the request."""
         raise NotImplementedError
+
+    def answer_now(self, sender: Any, tensors: dict[str, Any]) -> None:
+        """One FINAL response with `tensors`, through the sender thread as every response."""
+        self._worker.send(sender, tensors, final=True)
 
     def _on_engine_death(self, reason: str) -> None:
         """Runs on the dying engine thread, after its requests were answered."""

@@ -11,16 +11,21 @@ from typing import Any
 
 
 # vllm_backend's tensors (its `embedding_request` input excepted: generation-only engine),
-# plus `priority`, which vllm_backend takes in its JSON only. `image` is declared as
-# vllm_backend declares it so that a client sending one hears "text only" for that request
-# (request_parsing) rather than Triton refusing an unexpected input.
+# plus `priority`, which vllm_backend takes in its JSON only, and ours: the prompt as token
+# ids, and the cached-token count and max_model_len outputs with their switches. A request
+# carries `text_input` or `prompt_token_ids` (backend/prompt_input.py), so both are
+# optional to Triton. `image` is declared as vllm_backend declares it so that a client
+# sending one hears "text only" for that request (request_parsing) rather than Triton
+# refusing an unexpected input.
 LLM_INPUTS = [
-    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "prompt_token_ids", "data_type": "TYPE_INT64", "dims": [-1], "optional": True},
     {"name": "image", "data_type": "TYPE_STRING", "dims": [-1], "optional": True},
     *({"name": name, "data_type": "TYPE_BOOL", "dims": [1], "optional": True}
       for name in ("stream", "exclude_input_in_output", "return_finish_reason",
                    "return_num_input_tokens", "return_num_output_tokens",
-                   "return_cumulative_logprob", "return_logprobs")),
+                   "return_cumulative_logprob", "return_logprobs",
+                   "return_num_cached_tokens", "return_max_model_len")),
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "priority", "data_type": "TYPE_INT32", "dims": [1], "optional": True},
 ]
@@ -31,6 +36,8 @@ LLM_OUTPUTS = [
     {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
     {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "max_model_len", "data_type": "TYPE_UINT32", "dims": [1]},
 ]
 
 

@@ -20,6 +20,11 @@ class LLMResponseBuilder:
     request: LLMRequest
     # token id -> text, used only for return_logprobs' "decoded_token".
     decode_token: Callable[[int], str] | None = None
+    # What exclude_input_in_output=false puts before the text: the text_input, or an id
+    # prompt detokenized (the model's make_inflight decodes it); None: request.prompt.
+    prompt_text: str | None = None
+    # The engine's resolved max_model_len, for return_max_model_len.
+    max_model_len: int = 0
 
     def build(self, out: RequestOutput) -> dict[str, np.ndarray]:
         """One entry per sequence (n > 1: index i in entry i), as vllm_backend sends;
@@ -28,7 +33,9 @@ class LLMResponseBuilder:
         adds no text), and num_output_tokens counts the tokens that came with its text."""
         completions = out.outputs
         # Streaming requires exclude_input_in_output: the prompt goes before a whole text.
-        prefix = "" if self.request.exclude_input_in_output else self.request.prompt
+        prefix = ""
+        if not self.request.exclude_input_in_output:
+            prefix = self.prompt_text if self.prompt_text is not None else self.request.prompt or ""
         tensors = {"text_output": _strings([prefix + c.text for c in completions])}
         returns = self.request.returns
         if returns.finish_reason:
@@ -36,6 +43,11 @@ class LLMResponseBuilder:
             tensors["finish_reason"] = _strings([str(c.finish_reason) for c in completions])
         if returns.num_input_tokens:
             tensors["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
+        if returns.num_cached_tokens:
+            # Known from the first output on (the prefix-cache look-up at admission).
+            tensors["num_cached_tokens"] = np.array([max(out.num_cached_tokens, 0)], dtype=np.uint32)
+        if returns.max_model_len:
+            tensors["max_model_len"] = np.array([self.max_model_len], dtype=np.uint32)
         if returns.num_output_tokens:
             tensors["num_output_tokens"] = np.array([len(c.token_ids) for c in completions],
                                                     dtype=np.uint32)

@@ -1,17 +1,20 @@
-"""A byte limit on `text_input`, checked before the prompt is decoded or tokenized.
+"""A byte limit on `text_input`, checked before the prompt is decoded or tokenized, and a
+length limit on `prompt_token_ids`, checked before its ids are read.
 
 Tokenizing costs time linear in the text (~0.4 ms per KiB here), so a multi-megabyte
 prompt that can never fit max_model_len must be refused on its size alone. The limit is
 derived so that it never refuses a prompt that could fit: no token stands for more text
 than the vocabulary's longest entry, so max_model_len tokens hold at most
-max_model_len * longest bytes. Pure Python."""
+max_model_len * longest bytes. An id prompt is refused on its length alone, with the
+engine's own rule (a prompt of max_model_len tokens leaves no room for output), before
+its ids are scanned against the vocabulary. Pure Python."""
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
 
-from backend.request_parsing import InvalidRequest
+from backend.input_values import InvalidRequest
 
 # Normalizers run before the vocabulary is matched and may shrink the text: NFC composes
 # up to three code points (a Hangul syllable from its jamo, 9 bytes -> 3) into one.
@@ -45,3 +48,12 @@ def check_prompt_size(text_input: np.ndarray | None, limit: int, max_model_len: 
     if size > limit:
         raise InvalidRequest(f"text_input is {size} bytes, more than {limit} bytes could ever fit in "
                              f"max_model_len={max_model_len} tokens")
+
+
+def check_prompt_ids_length(prompt_token_ids: np.ndarray | None, max_model_len: int) -> None:
+    """Raises InvalidRequest when the prompt_token_ids tensor holds max_model_len ids or
+    more (the engine refuses such a prompt too, after the request was built)."""
+    if prompt_token_ids is None or prompt_token_ids.size < max_model_len:
+        return
+    raise InvalidRequest(f"prompt_token_ids is {prompt_token_ids.size} ids long, which leaves no "
+                         f"room for output within max_model_len={max_model_len}")

@@ -3,10 +3,8 @@
 Pure Python (numpy only) so every rule here is unit-tested without a server. The
 rules follow triton-inference-server/vllm_backend so its clients work unchanged,
 except that values given as strings are parsed by engine/values.py, the converter
-config.pbtxt parameters go through too ("false" is False, not truthy).
-
-Over 300 lines: vllm_backend's request keys, a rule each, kept together so they can be
-read against vllm_backend's; backend/'s move (issue 48 item 3) splits it by input.
+config.pbtxt parameters go through too ("false" is False, not truthy). The prompt's two
+inputs are read in backend/prompt_input.py, single tensor values in backend/input_values.py.
 """
 from __future__ import annotations
 
@@ -17,13 +15,11 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from backend.input_values import InvalidRequest, client_value, scalar, to_bool
 from backend.json_text import dotted, find_lone_surrogate
+from backend.prompt_input import PROMPT_INPUTS, read_prompt
 from engine.api import (GrammarCompiler, RequestOutputKind, SamplingDefaults, SamplingParams,
-                        StructuredOutputsParams, check_tenant, convert)
-
-
-class InvalidRequest(ValueError):
-    """A client error: reported as INVALID_ARG, never raised past the backend."""
+                        StructuredOutputsParams, check_tenant)
 
 
 # vllm_backend's error text, word for word: its clients and CI tests compare it whole (the
@@ -44,7 +40,8 @@ _ONLY_DEFAULT = {"best_of": 1, "use_beam_search": False, "length_penalty": 1.0,
 # generate's "parameters") instead of input tensors.
 _SWITCHES = ("stream", "exclude_input_in_output", "return_finish_reason",
              "return_num_input_tokens", "return_num_output_tokens",
-             "return_cumulative_logprob", "return_logprobs")
+             "return_cumulative_logprob", "return_logprobs", "return_num_cached_tokens",
+             "return_max_model_len")
 # vllm_backend's key since late 2025 and the older one (Triton's OpenAI frontend still
 # sends it for tool_choice); the same object under either, or its JSON text.
 _STRUCTURED_OUTPUT_KEYS = ("structured_outputs", "guided_decoding")
@@ -60,11 +57,16 @@ class ReturnFlags:
     num_output_tokens: bool = False
     cumulative_logprob: bool = False
     logprobs: bool = False
+    # Ours: prompt tokens found in the prefix cache (the OpenAI route's usage
+    # prompt_tokens_details.cached_tokens), and the engine's resolved max_model_len.
+    num_cached_tokens: bool = False
+    max_model_len: bool = False
 
 
 @dataclass(slots=True)
 class LLMRequest:
-    prompt: str
+    # The text_input; None when the prompt came as prompt_token_ids.
+    prompt: str | None
     params: SamplingParams
     stream: bool
     exclude_input_in_output: bool
@@ -84,20 +86,15 @@ class LLMRequest:
     # Whether sampling_parameters held "logprobs": without it return_logprobs gives null
     # (vllm_backend and vLLM), though the sampled token's logprob is computed anyway.
     logprobs_asked: bool = True
+    # The prompt_token_ids input, checked against the vocabulary; None for a text prompt.
+    # Taken as they are (add_special_tokens does not apply), as vLLM takes token prompts.
+    prompt_token_ids: list[int] | None = None
 
 
 def stream_output_kind(stream: bool) -> RequestOutputKind:
     """What the engine hands out for a request of either engine model: the deltas for a
     stream, the finished output alone otherwise (its responses translate nothing else)."""
     return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
-
-
-def client_value(name: str, value: Any, kind: str) -> Any:
-    """engine.values.convert, its error reported as the client's (INVALID_ARG)."""
-    try:
-        return convert(name, value, kind)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
 
 
 # INT32 as the `priority` input tensor, so the JSON key cannot hold more.
@@ -126,10 +123,6 @@ def parse_lora_name(value: Any, field: str = "lora_name") -> str | None:
     if not isinstance(value, str) or not value:
         raise InvalidRequest(f"{field} must be a non-empty string, got {value!r}")
     return value
-
-
-def to_bool(name: str, value: Any) -> bool:
-    return client_value(name, value, "bool")
 
 
 def parse_sampling_parameters(params: Mapping[str, Any], ignore: tuple[str, ...] = (),
@@ -226,49 +219,8 @@ def _lone_surrogate(value: Any) -> str | None:
     return f"key {path[-1]!r}" if not parent else f"{parent}: key {path[-1]!r}"
 
 
-def scalar(name: str, array: np.ndarray | None) -> Any:
-    """The single element of a [1] (or [1,1]) tensor; None when the input is absent."""
-    if array is None:
-        return None
-    if array.size != 1:
-        raise InvalidRequest(f"{name} must hold exactly one element, got shape {list(array.shape)}")
-    return array.reshape(-1)[0]
-
-
-def decode_text(name: str, value: Any) -> str:
-    if isinstance(value, (bytes, np.bytes_)):
-        try:
-            return bytes(value).decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidRequest(f"{name} is not valid UTF-8") from None
-    if isinstance(value, str):
-        if find_lone_surrogate(value) is not None:
-            raise InvalidRequest(f"{name} holds a lone surrogate (a \\ud800-\\udfff escape "
-                                 "not paired), which is not Unicode text")
-        return value
-    raise InvalidRequest(f"{name} must be a string, got {type(value).__name__}")
-
-
-def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameters: str | bytes = "",
-                      defaults: SamplingDefaults | None = None) -> LLMRequest:
-    """inputs: the request's tensors by name (absent ones missing or None);
-    request_parameters: Triton's request.parameters() JSON; defaults: the engine's
-    sampling defaults, which the sampling keys the request leaves out take.
-
-    Sampling comes from the sampling_parameters input when present, otherwise from
-    the request parameters (HTTP generate's "parameters" object), where the
-    request-level switches (stream, exclude_input_in_output, return_*) may also
-    appear; an input tensor wins over a parameter of the same name."""
-    raw_prompt = scalar("text_input", inputs.get("text_input"))
-    if raw_prompt is None:
-        raise InvalidRequest("missing required input 'text_input'")
-    images = inputs.get("image")
-    if images is not None and np.size(images) > 0:
-        # vllm_backend passes these to a multimodal model; an empty tensor means none there too.
-        raise InvalidRequest("this model takes text only: the 'image' input is not supported")
-    prompt = decode_text("text_input", raw_prompt)
-
-    req_params = load_json_object("request parameters", request_parameters)
+def _switches(inputs: Mapping[str, np.ndarray | None], req_params: Mapping[str, Any]
+              ) -> dict[str, bool]:
     switches: dict[str, bool] = {}
     for name in _SWITCHES:
         if name in req_params:
@@ -276,6 +228,40 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
         value = scalar(name, inputs.get(name))
         if value is not None:
             switches[name] = to_bool(name, value)
+    return switches
+
+
+def asks_limits_only(inputs: Mapping[str, np.ndarray | None],
+                     request_parameters: str | bytes = "") -> bool:
+    """A request without a prompt that asks return_max_model_len: answered with the model's
+    limit alone, the engine untouched (the OpenAI route's /tokenize reports it). Any other
+    request without a prompt is refused by parse_llm_request."""
+    if any(inputs.get(name) is not None for name in PROMPT_INPUTS):
+        return False
+    req_params = load_json_object("request parameters", request_parameters)
+    return _switches(inputs, req_params).get("return_max_model_len", False)
+
+
+def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameters: str | bytes = "",
+                      defaults: SamplingDefaults | None = None,
+                      vocab_size: int | None = None) -> LLMRequest:
+    """inputs: the request's tensors by name (absent ones missing or None);
+    request_parameters: Triton's request.parameters() JSON; defaults: the engine's
+    sampling defaults, which the sampling keys the request leaves out take; vocab_size:
+    the engine's, which every id of a prompt_token_ids prompt must be below.
+
+    Sampling comes from the sampling_parameters input when present, otherwise from
+    the request parameters (HTTP generate's "parameters" object), where the
+    request-level switches (stream, exclude_input_in_output, return_*) may also
+    appear; an input tensor wins over a parameter of the same name."""
+    images = inputs.get("image")
+    if images is not None and np.size(images) > 0:
+        # vllm_backend passes these to a multimodal model; an empty tensor means none there too.
+        raise InvalidRequest("this model takes text only: the 'image' input is not supported")
+    prompt = read_prompt(inputs, vocab_size)
+
+    req_params = load_json_object("request parameters", request_parameters)
+    switches = _switches(inputs, req_params)
 
     sp_text = scalar("sampling_parameters", inputs.get("sampling_parameters"))
     sampling = load_json_object("sampling_parameters", sp_text) if sp_text is not None else req_params
@@ -305,5 +291,5 @@ def parse_llm_request(inputs: Mapping[str, np.ndarray | None], request_parameter
     if (returns.logprobs or returns.cumulative_logprob) and params.logprobs is None:
         # Logprobs of the sampled token cost nothing extra; cumulative_logprob needs them.
         params.logprobs = 0
-    return LLMRequest(prompt, params, stream, exclude, returns, priority, add_special, lora_name,
-                      lora_path, tenant, logprobs_asked)
+    return LLMRequest(prompt.text, params, stream, exclude, returns, priority, add_special,
+                      lora_name, lora_path, tenant, logprobs_asked, prompt.token_ids)

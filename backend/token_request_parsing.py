@@ -10,8 +10,9 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from backend.request_parsing import (InvalidRequest, decode_text, parse_lora_name, parse_priority,
-                                     parse_tenant, scalar, stream_output_kind, to_bool)
+from backend.input_values import InvalidRequest, decode_text, scalar, to_bool
+from backend.request_parsing import (parse_lora_name, parse_priority, parse_tenant,
+                                     stream_output_kind)
 from engine.api import SamplingDefaults, SamplingParams
 
 

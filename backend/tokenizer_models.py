@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from backend import triton_io
-from backend.request_parsing import InvalidRequest, decode_text
+from backend.input_values import InvalidRequest, decode_text
 from backend.token_responses import decode_after, decode_ids
 from backend.tokenizer_source import tokenizer_source
 from engine.api import load_tokenizer

@@ -49,7 +49,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "JSON); each name must be one of the Triton model's "
                              "multi_lora.json adapters")
     parser.add_argument("--max-model-len", type=int, default=None,
-                        help="reported by /tokenize (default: the `llm` model's)")
+                        help="reported by /tokenize (default: the limit the `llm` model "
+                             "enforces, asked of it)")
+    parser.add_argument("--enable-prompt-tokens-details", action=argparse.BooleanOptionalAction,
+                        default=True,
+                        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens "
+                             "found in the prefix cache (vLLM's flag; default: on)")
+    parser.add_argument("--enable-tokenizer-info-endpoint",
+                        action=argparse.BooleanOptionalAction, default=False,
+                        help="serve GET /tokenizer_info, the tokenizer's configuration and "
+                             "chat template (vLLM's flag; default: off)")
     limits = parser.add_argument_group("protection against careless clients")
     limits.add_argument("--max-sequences-per-request", type=_positive(int), default=256,
                         metavar="N", help="prompts x n of one request (a completions batch); "
@@ -124,6 +133,8 @@ def frontend_options(args: argparse.Namespace,
         tool_calls=ToolCallConfig(args.tool_call_parser, args.enable_auto_tool_choice),
         reasoning_parser=getattr(args, "reasoning_parser", None),
         triton_metrics_url=args.triton_metrics or None, max_model_len=args.max_model_len,
+        prompt_tokens_details=args.enable_prompt_tokens_details,
+        tokenizer_info=args.enable_tokenizer_info_endpoint,
         lora_modules=tuple(getattr(args, "lora_modules", None) or ()),
         runtime_lora_updating=runtime_updating(environ),
         max_sequences_per_request=args.max_sequences_per_request,

@@ -4,12 +4,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
-from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -18,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 from starlette.exceptions import HTTPException
 
-from openai_frontend import runtime_lora
+from openai_frontend import runtime_lora, tokenizer_info
 from openai_frontend.auth import ApiKeyMiddleware
 from openai_frontend.chat import render_chat
 from openai_frontend.errors import APIError, bad_request, model_not_found
@@ -56,7 +54,8 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
 
         # The asyncio gRPC channel and the HTTP session belong to the event loop they
         # are made in: uvicorn's.
-        app.state.llm = TritonLLM(triton_url, model, options.triton_admin_key)
+        app.state.llm = TritonLLM(triton_url, model, options.triton_admin_key,
+                                  cached_tokens=options.prompt_tokens_details)
         app.state.http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
         try:
             yield
@@ -97,11 +96,12 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         return triton_request
 
     async def max_model_len(request: Request) -> int:
+        """The limit the `llm` model enforces (its engine's resolved max_model_len, asked
+        of it once), unless --max-model-len overrides it."""
         if options.max_model_len is not None:
             return options.max_model_len
         if getattr(request.app.state, "max_model_len", None) is None:
-            request.app.state.max_model_len = await _find_max_model_len(
-                request.app.state.llm, tokenizer)
+            request.app.state.max_model_len = await request.app.state.llm.max_model_len()
         return request.app.state.max_model_len
 
     def check_sequences(num_prompts: int, n: int | None) -> None:
@@ -151,7 +151,12 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         check_model(body.model)
         triton_request = with_adapter(completion_request(body), body.model)
         check_sequences(len(triton_request.prompts), body.n)
-        echo = [p for p in triton_request.prompts for _ in range(body.n or 1)] if body.echo else None
+        echo = None
+        if body.echo:
+            # An id prompt echoes as /detokenize decodes it (vLLM's echo of a token prompt).
+            texts = [p if isinstance(p, str) else await off_loop(tokenizer.decode, p)
+                     for p in triton_request.prompts]
+            echo = [text for text in texts for _ in range(body.n or 1)]
         return await answer(request, triton_request, CompletionFormat(body.model, echo=echo))
 
     @app.post("/v1/chat/completions")
@@ -186,6 +191,9 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
             check_model(body.model)
         return await off_loop(detokenize, tokenizer, body)
 
+    if options.tokenizer_info:
+        tokenizer_info.install(app, tokenizer)
+
     if options.runtime_lora_updating:
         log.warning("LoRA loading and unloading at run time is on (%s): any client may "
                     "make the server read a folder", runtime_lora.ENV_VAR)
@@ -208,19 +216,6 @@ def _version() -> str:
         return metadata.version("triton-llm-engine")
     except metadata.PackageNotFoundError:
         return "unknown"
-
-
-async def _find_max_model_len(llm: TritonLLM, tokenizer: Any) -> int:
-    """The `llm` model's max_model_len: its config parameter when set (as the tests and
-    scripts/serve.py set it), else what the engine takes by default, the model's
-    max_position_embeddings (the tokenizer folder's config.json)."""
-    configured = await llm.model_parameter("max_model_len")
-    if configured is not None:
-        return int(configured)
-    config = Path(getattr(tokenizer, "name_or_path", "") or ".") / "config.json"
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        return int(json.loads(config.read_text())["max_position_embeddings"])
-    return int(tokenizer.model_max_length)
 
 
 def _install_error_handlers(app: FastAPI) -> None:

@@ -24,7 +24,8 @@ _GRPC_STATUS = {"INVALID_ARGUMENT": 400, "NOT_FOUND": 503, "UNAVAILABLE": 503,
                 "UNIMPLEMENTED": 501}
 # Engine parameter named in a backend message -> the OpenAI parameter a client sent.
 _PARAM_NAMES = {"max_tokens": "max_tokens", "structured_outputs": "response_format",
-                "guided_decoding": "response_format", "text_input": "prompt"}
+                "guided_decoding": "response_format", "text_input": "prompt",
+                "prompt_token_ids": "prompt"}
 _PARAM_PATTERNS = (re.compile(r"SamplingParams\.(\w+)"), re.compile(r"sampling parameter '(\w+)'"),
                    re.compile(r"^(structured_outputs|guided_decoding)\b"),
                    re.compile(r"^(\w+) (?:must|is|needs)\b"))

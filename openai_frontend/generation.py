@@ -9,7 +9,8 @@ from typing import AsyncIterator
 
 from openai_frontend.errors import APIError
 from openai_frontend.mapping import TritonRequest
-from openai_frontend.responses import ChoiceState, OutputFormat, usage
+from openai_frontend.prompts import Prompt
+from openai_frontend.responses import ChoiceState, OutputFormat, total_cached, usage
 from openai_frontend.triton_client import Chunk, TritonLLM
 
 _DONE = object()
@@ -25,7 +26,7 @@ async def responses(llm: TritonLLM, request: TritonRequest) -> AsyncIterator[tup
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, prompt: str) -> None:
+    async def pump(index: int, prompt: Prompt) -> None:
         try:
             async for chunk in llm.generate(prompt, request.sampling, request.stream,
                                             request.logprobs):
@@ -58,16 +59,17 @@ async def complete(llm: TritonLLM, request: TritonRequest, fmt: OutputFormat) ->
     finals: dict[int, Chunk] = {}
     async for index, chunk in responses(llm, request):
         finals[index] = chunk
-    choices, prompt_tokens, completion_tokens = [], 0, 0
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, []
     for p in range(len(request.prompts)):
         chunk = finals.get(p)
         if chunk is None:
             raise APIError(500, f"Triton sent no response for prompt {p}", code="internal_error")
         prompt_tokens += chunk.num_input_tokens
+        cached.append(chunk.num_cached_tokens)
         completion_tokens += sum(chunk.num_output_tokens)
         n = len(chunk.texts)
         for i, text in enumerate(chunk.texts):
             positions = chunk.logprobs[i] if chunk.logprobs is not None else None
             choices.append(fmt.choice(p * n + i, text, chunk.finish_reasons[i], positions,
                                       ChoiceState(), chunk=False))
-    return fmt.body(choices, usage(prompt_tokens, completion_tokens))
+    return fmt.body(choices, usage(prompt_tokens, completion_tokens, total_cached(cached)))

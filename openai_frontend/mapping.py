@@ -1,4 +1,5 @@
-"""OpenAI request -> what the `llm` model is sent: prompt texts and vLLM sampling parameters.
+"""OpenAI request -> what the `llm` model is sent: prompts (texts or token ids) and vLLM
+sampling parameters.
 
 Pure (no Triton, no HTTP), so every rule is unit-tested. Values are forwarded, not
 checked: the backend validates each one and names the field (INVALID_ARG -> 400), so the
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from openai_frontend.errors import bad_request
+from openai_frontend.prompts import Prompt, split_prompts
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest, CommonFields
 
 # Forwarded under the same name when set (OpenAI's and vLLM's names agree).
@@ -28,7 +30,8 @@ _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "cho
 
 @dataclass(frozen=True, slots=True)
 class TritonRequest:
-    prompts: list[str]
+    # One `llm` request each: a text goes as text_input, token ids as prompt_token_ids.
+    prompts: list[Prompt]
     sampling: dict[str, Any]
     stream: bool
     # return_logprobs: the request asked for logprobs (then sampling holds "logprobs").
@@ -37,7 +40,7 @@ class TritonRequest:
 
 
 def completion_request(req: CompletionRequest) -> TritonRequest:
-    prompts = _prompt_texts(req.prompt)
+    prompts = split_prompts(req.prompt)
     if req.suffix:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of not in (None, 1, req.n or 1):
@@ -93,27 +96,13 @@ def chat_request(req: ChatCompletionRequest, prompt: str,
     return _triton_request(req, [prompt], sampling, req.logprobs)
 
 
-def _triton_request(req: CommonFields, prompts: list[str], sampling: dict[str, Any],
+def _triton_request(req: CommonFields, prompts: list[Prompt], sampling: dict[str, Any],
                     logprobs: bool) -> TritonRequest:
     options = req.stream_options
     if options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream=true", "stream_options")
     return TritonRequest(prompts, sampling, req.stream, logprobs,
                          bool(options and options.include_usage))
-
-
-def _prompt_texts(prompt: Any) -> list[str]:
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompts = list(prompt)
-    elif isinstance(prompt, list) and not prompt:
-        raise bad_request("prompt must not be empty", "prompt")
-    else:
-        raise bad_request("token-id prompts are not supported; send text", "prompt")
-    if any(not p for p in prompts):
-        raise bad_request("prompt must not be empty", "prompt")
-    return prompts
 
 
 def _sampling(req: CommonFields) -> dict[str, Any]:

@@ -20,9 +20,17 @@ class FrontendOptions:
     reasoning_parser: str | None = None
     # Triton's metrics endpoint, re-exported at /metrics; None: no /metrics route.
     triton_metrics_url: str | None = None
-    # For /tokenize's max_model_len; None: the `llm` model's config parameter, then
-    # the tokenizer folder's config.json.
+    # For /tokenize's max_model_len; None: the `llm` model's own, the engine's resolved
+    # limit (it answers return_max_model_len).
     max_model_len: int | None = None
+    # --enable-prompt-tokens-details (vLLM's flag, off there): usage carries
+    # prompt_tokens_details.cached_tokens. On here: NVIDIA aiperf reads it and warns
+    # without it; --no-enable-prompt-tokens-details leaves it out.
+    prompt_tokens_details: bool = True
+    # --enable-tokenizer-info-endpoint (vLLM's flag and default): GET /tokenizer_info, the
+    # tokenizer's configuration, chat template included; off, as in vLLM, since a
+    # deployment's template may be its own.
+    tokenizer_info: bool = False
     # --lora-modules: adapters served as model ids beside the base model.
     lora_modules: tuple[LoRAModule, ...] = ()
     # VLLM_ALLOW_RUNTIME_LORA_UPDATING: /v1/load_lora_adapter and /v1/unload_lora_adapter

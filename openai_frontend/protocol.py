@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 
 from backend.json_text import dotted, find_lone_surrogate
 from openai_frontend.errors import bad_request
+from openai_frontend.prompts import split_prompts
 
 log = logging.getLogger("openai_frontend")
 
@@ -118,12 +119,19 @@ class CommonFields(_Body):
 
 
 class CompletionRequest(CommonFields):
-    # Text, or a batch of texts; token-id prompts are refused (the `llm` model takes text).
-    prompt: Union[str, list[str], list[int], list[list[int]]]
+    # Text, a batch of texts, token ids, or a batch of id prompts (vLLM's forms). Strict:
+    # pydantic would otherwise read "2", true or 2.0 as the id 2.
+    prompt: Union[str, list[str], list[StrictInt], list[list[StrictInt]]]
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, value: Any) -> Any:
+        split_prompts(value)  # a 400 naming `prompt` that says what is wrong, not pydantic's
+        return value
 
 
 class ChatCompletionRequest(CommonFields):

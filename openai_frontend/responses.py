@@ -32,9 +32,23 @@ class ChoiceState:
     reasoning: ReasoningStream | None = None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int,
+          cached_tokens: int | None = None) -> dict[str, Any]:
+    """`cached_tokens`: the prompt tokens the prefix cache held, as vLLM reports them with
+    --enable-prompt-tokens-details (OpenAI's prompt_tokens_details); None: not reported."""
+    body: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                            "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return body
+
+
+def total_cached(per_prompt: list[int | None]) -> int | None:
+    """A batch's cached tokens: the sum over its prompts (vLLM reports one prompt's), None
+    when they were not asked for."""
+    if not per_prompt or any(n is None for n in per_prompt):
+        return None
+    return sum(per_prompt)
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ from starlette.types import Message, Receive, Scope, Send
 from openai_frontend.errors import APIError
 from openai_frontend.generation import responses
 from openai_frontend.mapping import TritonRequest
-from openai_frontend.responses import ChoiceState, OutputFormat, usage
+from openai_frontend.responses import ChoiceState, OutputFormat, total_cached, usage
 from openai_frontend.triton_client import Chunk, TritonLLM
 
 log = logging.getLogger("openai_frontend")
@@ -84,7 +84,8 @@ async def stream_response(llm: TritonLLM, request: TritonRequest, fmt: OutputFor
 async def events(first: tuple[int, Chunk] | None, rest: AsyncIterator[tuple[int, Chunk]],
                  request: TritonRequest, fmt: OutputFormat) -> AsyncIterator[str]:
     states: dict[int, ChoiceState] = defaultdict(ChoiceState)
-    prompt_tokens: dict[int, int] = {}
+    # Per prompt: (prompt tokens, cached prompt tokens), from its latest response.
+    prompt_tokens: dict[int, tuple[int, int | None]] = {}
     try:
         if first is not None:
             event = _chunk_event(*first, states, prompt_tokens, request, fmt)
@@ -96,7 +97,10 @@ async def events(first: tuple[int, Chunk] | None, rest: AsyncIterator[tuple[int,
                     yield event
         if request.include_usage:
             completion_tokens = sum(s.completion_tokens for s in states.values())
-            yield sse(fmt.body([], usage(sum(prompt_tokens.values()), completion_tokens), chunk=True))
+            counts = list(prompt_tokens.values())
+            body = usage(sum(n for n, _ in counts), completion_tokens,
+                         total_cached([cached for _, cached in counts]))
+            yield sse(fmt.body([], body, chunk=True))
     except APIError as exc:
         # Mid-stream the status is already 200: the error travels as an event, which
         # the openai client raises as APIError.
@@ -107,9 +111,9 @@ async def events(first: tuple[int, Chunk] | None, rest: AsyncIterator[tuple[int,
 
 
 def _chunk_event(prompt_index: int, chunk: Chunk, states: dict[int, ChoiceState],
-                 prompt_tokens: dict[int, int], request: TritonRequest,
+                 prompt_tokens: dict[int, tuple[int, int | None]], request: TritonRequest,
                  fmt: OutputFormat) -> str | None:
-    prompt_tokens[prompt_index] = chunk.num_input_tokens
+    prompt_tokens[prompt_index] = (chunk.num_input_tokens, chunk.num_cached_tokens)
     n = len(chunk.texts)
     choices = []
     for i, text in enumerate(chunk.texts):

@@ -5,6 +5,7 @@ ModelInfer, and a stream error names no request, so one stream per request is wh
 error reach the right HTTP response. Streams share the client's one channel."""
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -15,6 +16,7 @@ import tritonclient.grpc.aio as grpcaio
 
 from backend.restricted_api import grpc_headers
 from openai_frontend.errors import APIError, from_triton
+from openai_frontend.prompts import Prompt
 
 
 @dataclass(slots=True)
@@ -27,25 +29,40 @@ class Chunk:
     # Per sequence, per new token: [(token text, logprob), ...], the sampled token first.
     logprobs: list[list[list[tuple[str, float]]]] | None
     final: bool
+    # Prompt tokens the prefix cache held; None when not asked (--no-enable-prompt-tokens-details).
+    num_cached_tokens: int | None = None
 
 
-def request_inputs(prompt: str, sampling: dict[str, Any], stream: bool,
-                   logprobs: bool) -> list[grpcclient.InferInput]:
-    tensors: dict[str, np.ndarray] = {
-        "text_input": np.array([prompt.encode("utf-8")], dtype=np.object_),
+_TRITON_TYPES = {np.dtype(np.object_): "BYTES", np.dtype(np.bool_): "BOOL",
+                 np.dtype(np.int64): "INT64"}
+
+
+def request_inputs(prompt: Prompt, sampling: dict[str, Any], stream: bool, logprobs: bool,
+                   cached_tokens: bool = False) -> list[grpcclient.InferInput]:
+    """A text goes as text_input, token ids as prompt_token_ids (INT64, as `llm` declares)."""
+    if isinstance(prompt, str):
+        tensors = {"text_input": np.array([prompt.encode("utf-8")], dtype=np.object_)}
+    else:
+        tensors = {"prompt_token_ids": np.array(prompt, dtype=np.int64)}
+    tensors.update({
         "sampling_parameters": np.array([json.dumps(sampling).encode("utf-8")], dtype=np.object_),
         "stream": np.array([stream]),
         "exclude_input_in_output": np.array([True]),
         "return_finish_reason": np.array([True]),
         "return_num_input_tokens": np.array([True]),
         "return_num_output_tokens": np.array([True]),
-    }
+    })
     if logprobs:
         tensors["return_logprobs"] = np.array([True])
+    if cached_tokens:
+        tensors["return_num_cached_tokens"] = np.array([True])
+    return infer_inputs(tensors)
+
+
+def infer_inputs(tensors: dict[str, np.ndarray]) -> list[grpcclient.InferInput]:
     inputs = []
     for name, array in tensors.items():
-        tensor = grpcclient.InferInput(name, list(array.shape),
-                                       "BYTES" if array.dtype == np.object_ else "BOOL")
+        tensor = grpcclient.InferInput(name, list(array.shape), _TRITON_TYPES[array.dtype])
         tensor.set_data_from_numpy(array)
         inputs.append(tensor)
     return inputs
@@ -61,8 +78,10 @@ def parse_response(outputs: dict[str, np.ndarray], final: bool) -> Chunk:
         logprobs = [[[(info.get("decoded_token", ""), float(info["logprob"]))
                       for info in position.values()] for position in json.loads(raw)]
                     for raw in outputs["logprobs"].reshape(-1)]
+    cached = outputs.get("num_cached_tokens")
     return Chunk(texts, reasons, int(outputs["num_input_tokens"].reshape(-1)[0]),
-                 [int(n) for n in outputs["num_output_tokens"].reshape(-1)], logprobs, final)
+                 [int(n) for n in outputs["num_output_tokens"].reshape(-1)], logprobs, final,
+                 None if cached is None else int(cached.reshape(-1)[0]))
 
 
 # gRPC's reconnect backoff grows to 120 s while tritonserver is down (a restart, a
@@ -86,9 +105,13 @@ def channel_args() -> list[tuple[str, int]]:
 
 
 class TritonLLM:
-    def __init__(self, url: str, model: str, admin_key: str | None = None) -> None:
+    def __init__(self, url: str, model: str, admin_key: str | None = None,
+                 cached_tokens: bool = False) -> None:
+        """`cached_tokens`: ask every request's num_cached_tokens (usage's
+        prompt_tokens_details)."""
         self.url = url
         self.model = model
+        self._cached_tokens = cached_tokens
         self._grpc_headers = grpc_headers(admin_key)
         self._client = grpcaio.InferenceServerClient(url, channel_args=channel_args())
 
@@ -112,13 +135,35 @@ class TritonLLM:
         value = reply.get("config", {}).get("parameters", {}).get(name, {}).get("string_value")
         return value or None
 
-    async def generate(self, prompt: str, sampling: dict[str, Any], stream: bool,
+    async def max_model_len(self) -> int:
+        """The engine's resolved max_model_len, the limit the model enforces: `llm` answers
+        a request that holds only return_max_model_len at once, without the engine."""
+        inputs = infer_inputs({"return_max_model_len": np.array([True])})
+        value = None
+        async with contextlib.aclosing(self._infer(inputs)) as responses:
+            async for outputs, _ in responses:
+                value = outputs.get("max_model_len", value)
+        if value is None:
+            raise APIError(500, f"model {self.model!r} sent no max_model_len",
+                           code="internal_error")
+        return int(value.reshape(-1)[0])
+
+    async def generate(self, prompt: Prompt, sampling: dict[str, Any], stream: bool,
                        logprobs: bool) -> AsyncIterator[Chunk]:
         """The request's responses as Chunks, ending with the final one. A Triton error
         is raised as APIError. Closing the iterator early (the HTTP client left) cancels
         the request, so the engine frees its KV blocks at once."""
-        request = {"model_name": self.model,
-                   "inputs": request_inputs(prompt, sampling, stream, logprobs)}
+        inputs = request_inputs(prompt, sampling, stream, logprobs, self._cached_tokens)
+        # Closed with this generator, so its stream is cancelled at once, not when collected.
+        async with contextlib.aclosing(self._infer(inputs)) as responses:
+            async for outputs, final in responses:
+                yield parse_response(outputs, final)
+
+    async def _infer(self, inputs: list[grpcclient.InferInput]
+                     ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:
+        """One request on its own stream: each response's outputs (responses without any
+        skipped) and whether it is the final one."""
+        request = {"model_name": self.model, "inputs": inputs}
 
         async def one_request():
             yield request
@@ -144,7 +189,7 @@ class TritonLLM:
                 finished = response.parameters["triton_final_response"].bool_param
                 outputs = {out.name: result.as_numpy(out.name) for out in response.outputs}
                 if outputs:
-                    yield parse_response(outputs, finished)
+                    yield outputs, finished
         finally:
             if not finished:
                 responses.cancel()

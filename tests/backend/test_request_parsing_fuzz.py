@@ -25,11 +25,12 @@ FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCh
 SAMPLING_NAMES = [f.name for f in dataclasses.fields(SamplingParams)]
 SWITCHES = ["stream", "exclude_input_in_output", "return_finish_reason",
             "return_num_input_tokens", "return_num_output_tokens",
-            "return_cumulative_logprob", "return_logprobs"]
+            "return_cumulative_logprob", "return_logprobs", "return_num_cached_tokens",
+            "return_max_model_len"]
 EXTRA_KEYS = ["priority", "lora_name", "add_special_tokens", "guided_decoding", "best_of",
               "use_beam_search", "length_penalty", "spaces_between_special_tokens"]
 # Names an error may point at besides the keys the request itself sent.
-INPUT_NAMES = ["text_input", "image", "sampling_parameters", "request parameters",
+INPUT_NAMES = ["text_input", "prompt_token_ids", "image", "sampling_parameters", "request parameters",
                "input_ids", "input_lengths", "request_output_len", "beam_width", "end_id",
                "bad_words", "stop_words_list", "seed", "random_seed", "streaming",
                "min_length", "temperature", "runtime_top_k", "runtime_top_p",
@@ -75,9 +76,14 @@ def merged(*parts):
 
 
 int32 = st.integers(-2**31, 2**31 - 1)
+# prompt_token_ids as Triton delivers it (INT64, dims [-1]): any length, any values.
+id_tensors = st.lists(st.one_of(st.integers(-3, 120), st.sampled_from([-2**63, 2**63 - 1])),
+                      max_size=6).map(lambda v: np.array(v, dtype=np.int64))
+FUZZ_VOCAB = 100
 llm_inputs = merged(
     optional("text_input", string_tensor(st.one_of(st.text(max_size=20).map(str.encode),
                                                    st.binary(max_size=8)))),
+    optional("prompt_token_ids", id_tensors),
     optional("sampling_parameters", string_tensor(json_text(), st.just((1,)))),
     optional("image", string_tensor(st.binary(max_size=4), st.sampled_from([(0,), (1,)]))),
     optional("priority", typed_tensor(np.int32, int32)),
@@ -112,11 +118,17 @@ def assert_sampling_in_range(params: SamplingParams) -> None:
 @given(inputs=llm_inputs, request_parameters=json_text())
 def test_llm_requests_are_accepted_in_range_or_refused_naming_a_field(inputs, request_parameters):
     try:
-        request = parse_llm_request(inputs, request_parameters)
+        request = parse_llm_request(inputs, request_parameters, vocab_size=FUZZ_VOCAB)
     except InvalidRequest as error:
         assert_names_a_field(error, sent_keys(inputs, request_parameters))
         return
-    assert isinstance(request, LLMRequest) and isinstance(request.prompt, str)
+    assert isinstance(request, LLMRequest)
+    # Exactly one prompt: text, or ids inside the vocabulary.
+    if request.prompt_token_ids is None:
+        assert isinstance(request.prompt, str)
+    else:
+        assert request.prompt is None and request.prompt_token_ids
+        assert all(0 <= t < FUZZ_VOCAB for t in request.prompt_token_ids)
     assert_sampling_in_range(request.params)
     assert -2**31 <= request.priority < 2**31
     assert not (request.stream and not request.exclude_input_in_output)

@@ -140,7 +140,9 @@ def test_sample_folder_loads_auto_completed_and_answers_vllm_backend_clients(dro
         assert config["backend"] == "tle" and config["model_transaction_policy"]["decoupled"]
         assert int(config.get("max_batch_size", 0)) == 0
         inputs = {i["name"]: i for i in config["input"]}
-        assert not inputs["text_input"].get("optional") and inputs["stream"]["optional"]
+        # text_input is optional since prompt_token_ids may carry the prompt instead.
+        assert inputs["text_input"]["optional"] and inputs["stream"]["optional"]
+        assert inputs["prompt_token_ids"]["data_type"] == "TYPE_INT64"
         assert {"sampling_parameters", "exclude_input_in_output", "return_finish_reason",
                 "return_logprobs", "priority"} <= set(inputs)
         assert {o["name"] for o in config["output"]} >= {"text_output", "finish_reason", "logprobs"}

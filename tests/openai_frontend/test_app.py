@@ -67,7 +67,10 @@ def test_requests_when_triton_is_down_are_503(service):
     # Unknown fields are ignored: a bad value of a known field is still a 400.
     ("/v1/completions", {"model": "served", "prompt": "x", "frobnicate": 1, "n": "two"}, 400, "n"),
     ("/v1/completions", {"model": "served"}, 400, "prompt"),
-    ("/v1/completions", {"model": "served", "prompt": [1, 2]}, 400, "prompt"),
+    # Token-id prompts are taken (they reach Triton: 503 here); these forms never do.
+    *(("/v1/completions", {"model": "served", "prompt": prompt}, 400, "prompt")
+      for prompt in ([1, "a"], ["a", 1], [[1], "a"], [[1, 2], [3, "4"]], [], [[]], [-1],
+                     [[5], [-2]], [True, 2], [1.0, 2], {"a": 1})),
     ("/v1/chat/completions", {"model": "served", "messages": [{"role": "x", "content": "y"}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "served", "messages": [], "n": 2}, 400, "messages"),
 ])

@@ -14,9 +14,10 @@ from openai_frontend.chat import load_tokenizer, render_chat
 from openai_frontend.errors import APIError, from_triton
 from openai_frontend.mapping import chat_request, completion_request
 from openai_frontend.protocol import ChatCompletionRequest, CompletionRequest
-from openai_frontend.responses import ChatFormat, CompletionFormat, chat_logprobs, completion_logprobs
+from openai_frontend.responses import (ChatFormat, CompletionFormat, chat_logprobs, completion_logprobs,
+                                       total_cached, usage)
 from openai_frontend.streaming import events
-from openai_frontend.triton_client import Chunk, parse_response
+from openai_frontend.triton_client import Chunk, parse_response, request_inputs
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -52,9 +53,28 @@ def test_completion_parameters_are_forwarded_under_vllm_names():
 
 
 def test_completion_prompt_forms():
-    assert completion_request(CompletionRequest(model="m", prompt=["a", "b"])).prompts == ["a", "b"]
-    for prompt in ([1, 2, 3], [[1, 2]], [], ""):
-        refused(lambda: completion_request(CompletionRequest(model="m", prompt=prompt)), "prompt")
+    """vLLM's four forms: a text, texts, token ids, lists of token ids (one `llm` request
+    each); anything else is a 400 naming `prompt` before Triton, saying what is wrong."""
+    def prompts(prompt):
+        return completion_request(CompletionRequest(model="m", prompt=prompt)).prompts
+
+    assert prompts("a") == ["a"] and prompts(["a", "b"]) == ["a", "b"]
+    assert prompts([1, 2, 3]) == [[1, 2, 3]] and prompts([0]) == [[0]]
+    assert prompts([[1, 2], [3]]) == [[1, 2], [3]]
+    for prompt, fragment in [([], "must not be empty"), ("", "must not be empty"),
+                             (["a", ""], "prompt[1] must not be empty"),
+                             ([[1], []], "prompt[1] must not be empty"),
+                             ([[]], "must not be empty"),
+                             ([1, "a"], "not a mix"), (["a", 1], "not a mix"),
+                             ([[1], "a"], "not a mix"), ([[1], 2], "not a mix"),
+                             ([[1, 2], [3, "4"]], "prompt[1] must be a list of token ids"),
+                             ([[1, 2], [3, 4.0]], "prompt[1] must be a list of token ids"),
+                             ([1, True], "not a mix"), ([1.0], "not a mix"),
+                             ([-1], "non-negative, got -1"), ([[4], [3, -7]], "prompt[1]"),
+                             ([1, 2**63], "past any vocabulary"),
+                             (3, "got int")]:
+        error = refused(lambda: prompts(prompt), "prompt")
+        assert fragment in error.message, (prompt, error.message)
     refused(lambda: completion(suffix="x"), "suffix")
     refused(lambda: completion(best_of=3), "best_of")
     refused(lambda: completion(echo=True, logprobs=1), "echo")
@@ -156,6 +176,30 @@ def test_parse_response_reads_the_llm_tensors():
     assert chunk.texts == [" a", ""] and chunk.finish_reasons == [None, "length"]
     assert chunk.num_input_tokens == 4 and chunk.num_output_tokens == [1, 0]
     assert chunk.logprobs == [[[(" a", -0.5), (" b", -0.1)]], []]
+    assert chunk.num_cached_tokens is None  # not asked
+    cached = {**llm_outputs(["x"], ["stop"], [1]), "num_cached_tokens": np.array([16], np.uint32)}
+    assert parse_response(cached, final=True).num_cached_tokens == 16
+
+
+def test_a_prompt_goes_as_text_input_or_as_int64_prompt_token_ids():
+    def sent(prompt, **flags):
+        return {i.name(): (i.datatype(), i.shape()) for i in request_inputs(prompt, {}, False, False, **flags)}
+
+    text = sent("Hi")
+    assert text["text_input"] == ("BYTES", [1]) and "prompt_token_ids" not in text
+    ids = sent([5, 6, 7], cached_tokens=True)
+    assert ids["prompt_token_ids"] == ("INT64", [3]) and "text_input" not in ids
+    # Asked only when usage reports it, so --no-enable-prompt-tokens-details sends
+    # nothing the `llm` model must know.
+    assert ids["return_num_cached_tokens"] == ("BOOL", [1]) and "return_num_cached_tokens" not in text
+
+
+def test_usage_reports_cached_tokens_when_asked():
+    assert usage(5, 2) == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    assert usage(5, 2, 0)["prompt_tokens_details"] == {"cached_tokens": 0}
+    # A batch: the prompts' sum; not asked (None anywhere): not reported.
+    assert total_cached([16, 0, 32]) == 48 and total_cached([16, None]) is None
+    assert total_cached([]) is None
 
 
 def test_logprob_shapes():
@@ -184,9 +228,9 @@ def decode(events_):
 
 def test_chat_stream_events():
     req = chat(n=2, stream=True, stream_options={"include_usage": True})
-    chunks = [(0, Chunk(["Hel", ""], [None, None], 4, [1, 0], None, False)),
-              (0, Chunk(["lo", "Yo"], ["stop", None], 4, [1, 1], None, False)),
-              (0, Chunk(["", "!"], ["stop", "length"], 4, [0, 1], None, True))]
+    chunks = [(0, Chunk(["Hel", ""], [None, None], 4, [1, 0], None, False, 2)),
+              (0, Chunk(["lo", "Yo"], ["stop", None], 4, [1, 1], None, False, 2)),
+              (0, Chunk(["", "!"], ["stop", "length"], 4, [0, 1], None, True, 2))]
     bodies = decode(asyncio.run(_collect_events(chunks, req, ChatFormat("m"))))
     deltas = [(c["index"], c["delta"], c["finish_reason"]) for b in bodies for c in b["choices"]]
     assert deltas == [(0, {"role": "assistant", "content": "Hel"}, None),
@@ -195,7 +239,8 @@ def test_chat_stream_events():
                       (1, {"content": "!"}, "length")]
     assert all(b["object"] == "chat.completion.chunk" and b["usage"] is None for b in bodies[:-1])
     assert bodies[-1]["choices"] == [] and bodies[-1]["usage"] == {
-        "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+        "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8,
+        "prompt_tokens_details": {"cached_tokens": 2}}
 
 
 def test_completion_stream_batch_indices_echo_and_midstream_error():

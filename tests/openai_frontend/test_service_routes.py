@@ -1,6 +1,6 @@
 """The route's service endpoints over HTTP, with no Triton behind it: --api-key (401 as
-an OpenAI error; /v1 guarded as in vLLM, and /tokenize /detokenize too), /tokenize /detokenize /version in vLLM's
-shapes, /metrics passing Triton's text through, unknown fields ignored, tools accepted.
+an OpenAI error; /v1 guarded as in vLLM, and /tokenize /detokenize /tokenizer_info too),
+/tokenize /detokenize /tokenizer_info /version in vLLM's shapes, /metrics passing Triton's text through, unknown fields ignored, tools accepted.
 Triton's metrics endpoint is stood in for by a local HTTP server serving fixed text."""
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def service(tokenizer):
 
     metrics = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FakeTritonMetrics)
     threading.Thread(target=metrics.serve_forever, daemon=True).start()
-    options = FrontendOptions(api_keys=KEYS, max_model_len=2048,
+    options = FrontendOptions(api_keys=KEYS, max_model_len=2048, tokenizer_info=True,
                               triton_metrics_url=f"http://127.0.0.1:{metrics.server_port}/metrics")
     server, thread, url = _serve(create_app(f"127.0.0.1:{free_port()}", "llm", "served", tokenizer,
                                             options))
@@ -111,6 +111,15 @@ def test_health_version_metrics_stay_open_tokenize_needs_the_key(service):
         assert requests.post(f"{service}{route}", json=body, headers=auth(), timeout=10).status_code == 200
 
 
+def test_prompt_tokens_details_is_on_and_tokenizer_info_off_by_default():
+    defaults = frontend_options(parse_args([]), {})
+    assert defaults.prompt_tokens_details and not defaults.tokenizer_info
+    flipped = frontend_options(parse_args(["--no-enable-prompt-tokens-details",
+                                           "--enable-tokenizer-info-endpoint"]), {})
+    assert not flipped.prompt_tokens_details and flipped.tokenizer_info
+    assert frontend_options(parse_args(["--enable-prompt-tokens-details"]), {}).prompt_tokens_details
+
+
 def test_api_key_flag_wins_over_the_env_var():
     assert frontend_options(parse_args([]), {}).api_keys == ()
     assert frontend_options(parse_args([]), {"VLLM_API_KEY": "env"}).api_keys == ("env",)
@@ -144,6 +153,19 @@ def test_tokenize_a_prompt_and_a_chat(service, tokenizer):
     r = requests.post(f"{service}/tokenize", headers=auth(), json={"model": "other", "prompt": "x"}, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     assert requests.post(f"{service}/tokenize", headers=auth(), json={"prompt": 5}, timeout=10).status_code == 400
+
+
+def test_tokenizer_info_needs_the_key_and_has_vllms_shape(service, tokenizer):
+    """vLLM's fields (tokenizer_config.json as transformers read it, tokenizer_class,
+    chat_template); its real output is compared in tests/e2e/test_token_prompts.py."""
+    assert requests.get(f"{service}/tokenizer_info", timeout=10).status_code == 401
+    info = requests.get(f"{service}/tokenizer_info", headers=auth(), timeout=10).json()
+    assert info["tokenizer_class"] == type(tokenizer).__name__ == "LlamaTokenizerFast"
+    assert info["chat_template"] == tokenizer.chat_template
+    assert info["bos_token"] == tokenizer.bos_token and info["eos_token"] == tokenizer.eos_token
+    assert info["model_max_length"] == tokenizer.model_max_length
+    # No path of this host.
+    assert not {"vocab_file", "merges_file", "tokenizer_file", "name_or_path"} & set(info)
 
 
 def test_detokenize(service, tokenizer):
@@ -180,6 +202,8 @@ def test_metrics_when_triton_is_unreachable_is_503_and_the_service_stays_up(toke
         assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
         # No --api-key: /v1 is open.
         assert requests.get(f"{url}/v1/models", timeout=10).status_code == 200
+        # As in vLLM, /tokenizer_info is served only with --enable-tokenizer-info-endpoint.
+        assert requests.get(f"{url}/tokenizer_info", timeout=10).status_code == 404
     finally:
         server.should_exit = True
         thread.join(timeout=10)
