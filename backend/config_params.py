@@ -34,6 +34,13 @@ class BackendOptions:
     # With enable_lora, requests may name an adapter folder (lora_path) beside lora_name
     # (backend/lora_catalog.py); off: clients cannot make the server read arbitrary paths.
     allow_runtime_lora_updating: bool = False
+    # The most (prompt token, logprob) entries one request's prompt_logprobs output may
+    # hold: prompt tokens x (k + 1) x n (each sequence entry repeats it). About 83 bytes
+    # of JSON an entry (measured: k=20 over a 49k vocabulary, 5-character tokens), so the
+    # default bounds that output near 80 MB; a request over it is refused before it is
+    # queued (a 32k-token prompt at k=20 would otherwise send some 57 MB per sequence
+    # entry). 0: no cap.
+    max_prompt_logprobs_entries: int = 1_000_000
 
 
 # config.pbtxt key -> BackendOptions field; every number among them must be >= 0.
@@ -46,6 +53,7 @@ _BACKEND_KEYS = {
     "ENABLE_VLLM_HEALTH_CHECK": "enable_health_check",
     "lora_modules": "lora_modules",
     ALLOW_RUNTIME_LORA_UPDATING: "allow_runtime_lora_updating",
+    "MAX_PROMPT_LOGPROBS_ENTRIES": "max_prompt_logprobs_entries",
 }
 _OPTION_KINDS = {f.name: str(f.type) for f in fields(BackendOptions)}
 

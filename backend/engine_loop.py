@@ -101,7 +101,7 @@ class EngineLoop:
         """Queues the request, or answers it at once: UNAVAILABLE when the loop is closed or
         its `n` sequences do not all fit under MAX_QUEUE_LEN now, INVALID_ARG when they
         never can."""
-        num_seqs = max(1, request.params.n)
+        num_seqs = request.num_seqs
         code = triton_io.UNAVAILABLE
         with self._cond:
             reason = self._closed_reason()
@@ -198,7 +198,7 @@ class EngineLoop:
             # Also after aborts without a step, so KV usage drops to 0 on the dashboard.
             stats = self.engine.get_stats()
             with self._cond:
-                self._num_queued = sum(max(1, r.params.n) for r in self._inbox) + stats.num_waiting
+                self._num_queued = sum(r.num_seqs for r in self._inbox) + stats.num_waiting
                 step.num_rejected, self._num_rejected = self._num_rejected, 0
             step.num_cancelled, self._num_cancelled = self._num_cancelled, 0
             if self._collect_metrics:

@@ -8,18 +8,20 @@ from typing import Any, Callable
 import numpy as np
 
 from backend.metrics import FinishedRequest, StepMetrics
-from engine.api import LoRARequest, RequestOutput, SamplingParams
+from engine.api import LoRARequest, PoolingParams, PoolingRequestOutput, RequestOutput, SamplingParams
 
 
 @dataclass(slots=True)
 class Inflight:
     request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    # A pooling model's prompt may be a cross-encoder's (text, text_pair).
+    prompt: str | list[int] | tuple[str, str]
+    # PoolingParams on a pooling model (runner="pooling"): one vector, one final output.
+    params: SamplingParams | PoolingParams
     sender: Any
-    # RequestOutput -> the response's tensors (the engine decides which outputs come; a
-    # stand-in may return None: nothing to send unless the output is the final one).
-    build: Callable[[RequestOutput], dict[str, np.ndarray] | None]
+    # The engine's output -> the response's tensors (the engine decides which outputs
+    # come; a stand-in may return None: nothing to send unless the output is the final one).
+    build: Callable[[RequestOutput | PoolingRequestOutput], dict[str, np.ndarray] | None]
     arrival: float
     priority: int = 0  # lower is served first under policy=priority
     lora_request: LoRARequest | None = None  # None: the base model
@@ -29,13 +31,22 @@ class Inflight:
     # carries them, and the engine never sends a token twice).
     num_generated: list[int] = field(default_factory=list)
 
+    @property
+    def num_seqs(self) -> int:
+        """The sequences it queues: a generation request's n, a pooling request's one."""
+        return max(1, self.params.n) if isinstance(self.params, SamplingParams) else 1
 
-def record_timings(request: Inflight, out: RequestOutput, step: StepMetrics, now: float) -> None:
+
+def record_timings(request: Inflight, out: RequestOutput | PoolingRequestOutput, step: StepMetrics,
+                   now: float) -> None:
     """Adds this output's figures to the step's metrics. Token times are the engine's
     (RequestMetrics, stamped at every step that sampled for the request), so a FINAL_ONLY
     request or one streamed with stream_interval > 1 reports the same figures as a
     per-token stream; a stand-in engine that does not stamp them yields end-to-end and
     token-count figures only."""
+    if isinstance(out, PoolingRequestOutput):
+        _record_pooled(request, out, step, now)
+        return
     counts = request.num_generated
     for completion in out.outputs:
         while len(counts) <= completion.index:
@@ -81,3 +92,16 @@ def _record_finished(request: Inflight, out: RequestOutput, step: StepMetrics, n
             max_tokens_param=request.params.max_tokens))
     step.n_params.append(request.params.n)
     step.max_generation_tokens.append(max(counts, default=0))
+
+
+def _record_pooled(request: Inflight, out: PoolingRequestOutput, step: StepMetrics,
+                   now: float) -> None:
+    """A pooling request's one output is its final one: its prompt tokens by where their KV
+    came from, and one finished request with no generation tokens (and no token times)."""
+    cached = max(out.num_cached_tokens, 0)
+    step.prompt_cached += cached
+    step.prompt_computed += max(0, len(out.prompt_token_ids) - cached)
+    step.finished.append(FinishedRequest(
+        finish_reason="stop", num_prompt_tokens=len(out.prompt_token_ids),
+        num_generation_tokens=0, num_cached_tokens=cached, e2e=now - request.arrival))
+    step.n_params.append(1)

@@ -10,10 +10,11 @@ from __future__ import annotations
 from typing import Any
 
 
-# vllm_backend's tensors (its `embedding_request` input excepted: generation-only engine),
-# plus `priority`, which vllm_backend takes in its JSON only, and ours: the prompt as token
-# ids, and the cached-token count and max_model_len outputs with their switches. A request
-# carries `text_input` or `prompt_token_ids` (backend/prompt_input.py), so both are
+# vllm_backend's tensors (`embedding_request`: a pooling model's request,
+# backend/pooling_request.py), plus `priority`, which vllm_backend takes in its JSON only,
+# and ours: the prompt as token ids, the cached-token count, max_model_len and
+# prompt_logprobs outputs with their switches. A request carries `text_input`,
+# `prompt_token_ids` (backend/prompt_input.py) or `embedding_request`, so all three are
 # optional to Triton. `image` is declared as vllm_backend declares it so that a client
 # sending one hears "text only" for that request (request_parsing) rather than Triton
 # refusing an unexpected input.
@@ -28,6 +29,7 @@ LLM_INPUTS = [
                    "return_num_cached_tokens", "return_max_model_len")),
     {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
     {"name": "priority", "data_type": "TYPE_INT32", "dims": [1], "optional": True},
+    {"name": "embedding_request", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
 ]
 LLM_OUTPUTS = [
     {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
@@ -38,6 +40,7 @@ LLM_OUTPUTS = [
     {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
     {"name": "num_cached_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
     {"name": "max_model_len", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "prompt_logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
 ]
 
 

@@ -61,13 +61,22 @@ class LLMResponseBuilder:
             tensors["logprobs"] = np.array(
                 [self._logprobs_json(c.logprobs) if self.request.logprobs_asked else b"null"
                  for c in completions], dtype=np.object_)
+        if out.prompt_logprobs is not None and self.request.params.prompt_logprobs is not None:
+            # Once, with the request's first output; the prompt is the sequences' shared
+            # one, so each of n's entries carries the same text.
+            text = self._logprobs_json(out.prompt_logprobs)
+            tensors["prompt_logprobs"] = np.array([text] * len(completions), dtype=np.object_)
         return tensors
 
-    def _logprobs_json(self, logprobs: list[dict[int, Logprob]] | None) -> bytes:
+    def _logprobs_json(self, logprobs: list[dict[int, Logprob] | None] | None) -> bytes:
         """vllm_backend's items: {"<token id>": {"logprob", "rank", "decoded_token"}} per
-        position, sampled token first."""
+        position, sampled token first (prompt logprobs: the prompt's token first, and
+        null for the first position, which nothing precedes)."""
         payload = []
         for position in logprobs or []:
+            if position is None:
+                payload.append(None)
+                continue
             item = {}
             for token_id, entry in position.items():
                 info = {"logprob": float(entry.logprob), "rank": entry.rank}

@@ -33,7 +33,8 @@ def max_prompt_bytes(max_model_len: int, longest_token: int) -> int:
     return max_model_len * longest_token * NORMALIZER_SHRINK_MARGIN
 
 
-def check_prompt_size(text_input: np.ndarray | None, limit: int, max_model_len: int) -> None:
+def check_prompt_size(text_input: np.ndarray | None, limit: int, max_model_len: int,
+                      name: str = "text_input") -> None:
     """Raises InvalidRequest when the raw text_input tensor is over `limit` bytes. Absent
     or oddly shaped inputs pass: the request parser reports those."""
     if text_input is None or text_input.size != 1:
@@ -46,7 +47,7 @@ def check_prompt_size(text_input: np.ndarray | None, limit: int, max_model_len: 
     else:
         return
     if size > limit:
-        raise InvalidRequest(f"text_input is {size} bytes, more than {limit} bytes could ever fit in "
+        raise InvalidRequest(f"{name} is {size} bytes, more than {limit} bytes could ever fit in "
                              f"max_model_len={max_model_len} tokens")
 
 
@@ -57,3 +58,20 @@ def check_prompt_ids_length(prompt_token_ids: np.ndarray | None, max_model_len: 
         return
     raise InvalidRequest(f"prompt_token_ids is {prompt_token_ids.size} ids long, which leaves no "
                          f"room for output within max_model_len={max_model_len}")
+
+
+def check_prompt_logprobs_size(num_prompt_tokens: int, prompt_logprobs: int | None,
+                               max_entries: int, n: int = 1) -> None:
+    """Raises InvalidRequest when the prompt_logprobs output would hold more than
+    `max_entries` entries (prompt tokens x (k + 1): the prompt's own token and the top k
+    at each position; x n, each sequence entry holding a copy), before the request is
+    queued. 0: no limit."""
+    if prompt_logprobs is None or not max_entries:
+        return
+    entries = num_prompt_tokens * (prompt_logprobs + 1) * max(1, n)
+    if entries > max_entries:
+        copies = f" x n={n}" if n > 1 else ""
+        raise InvalidRequest(f"prompt_logprobs={prompt_logprobs} on a {num_prompt_tokens}-token "
+                             f"prompt{copies} asks {entries} logprob entries, more than this model's "
+                             f"MAX_PROMPT_LOGPROBS_ENTRIES={max_entries}; ask a smaller k or "
+                             "send a shorter prompt")

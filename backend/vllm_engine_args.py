@@ -41,6 +41,11 @@ RENAMED = {
     # The sampling values a request's absent keys take (engine/config/generation.py).
     "generation_config": "generation_config",
     "override_generation_config": "override_generation_config",
+    # Which runner serves the model (engine/config/runner.py): "pooling" makes `llm` serve
+    # embedding_request (backend/pooling_request.py) instead of text generation.
+    "runner": "runner",
+    "convert": "convert",
+    "task": "task",  # vLLM <= 0.12's, folded into runner/convert
 }
 
 # vLLM's spellings of dtypes that this engine spells otherwise.
@@ -100,9 +105,6 @@ UNSUPPORTED = {
     "rope_scaling": (None, {}),
     "rope_theta": (None,),
     "skip_tokenizer_init": (False,),
-    "runner": ("auto", "generate"),
-    "task": ("auto", "generate"),
-    "convert": ("auto", "none"),
     "pooler_config": (None,),
     "override_pooler_config": (None,),
     "mm_processor_kwargs": (None, {}),

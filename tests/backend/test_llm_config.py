@@ -35,7 +35,9 @@ def test_image_input_is_declared_as_vllm_backend_declares_it():
     config = complete_llm_config(ModelConfig({})).as_dict()
     inputs = {spec["name"]: spec for spec in config["input"]}
     assert inputs["image"] == VLLM_BACKEND_IMAGE
-    assert "embedding_request" not in inputs  # generation only
+    # vllm_backend's pooling input too (a runner="pooling" model serves it).
+    assert inputs["embedding_request"] == {"name": "embedding_request", "data_type": "TYPE_STRING",
+                                           "dims": [1], "optional": True}
 
 
 def test_a_declared_image_input_is_kept():

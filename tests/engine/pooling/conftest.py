@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from testing.tiny_model import make_tiny_model_dir
-from tests.engine.pooling.folders import make_encoder_dir, write_sentence_transformers
+from testing.encoder_folders import make_encoder_dir, write_sentence_transformers
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 from engine import EngineConfig, PoolingParams
 from engine.config.runner import RunnerChoice, check_runner_args, resolve_runner
 from engine.pooling.settings import classifier_activation, read_settings
-from tests.engine.pooling.folders import write_sentence_transformers
+from testing.encoder_folders import write_sentence_transformers
 
 
 def folder(tmp_path, arch):

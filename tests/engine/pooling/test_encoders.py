@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine import LLM, LLMEngine, PoolingParams, SamplingParams
 from tests.engine.pooling.conftest import assert_close_vectors, hf_hidden, pool
-from tests.engine.pooling.folders import set_config, write_sentence_transformers
+from testing.encoder_folders import set_config, write_sentence_transformers
 
 TEXTS = ["the quick brown fox jumps over the lazy dog", "hello", "paris is the capital of france",
          "what a query about cats and dogs ?", "embedding model test 42", "a b c d e f g h i j"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine import LLM, PoolingParams
-from tests.engine.pooling.folders import make_encoder_dir, set_config
+from testing.encoder_folders import make_encoder_dir, set_config
 
 QUERY = "what is the capital of france ?"
 DOCS = ["paris is the capital of france", "the lazy dog", "hello world", "a b c"]

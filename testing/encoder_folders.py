@@ -1,6 +1,7 @@
-"""Tiny random-weight model folders for the pooling tests: BERT / XLM-R encoders and
-cross-encoders (transformers' own classes, a WordPiece tokenizer built with
-`tokenizers`), and sentence-transformers files written by hand next to any model."""
+"""Tiny random-weight encoder folders for the pooling tests (the engine's and the Triton
+backend's): BERT / XLM-R encoders and cross-encoders (transformers' own classes, a
+WordPiece tokenizer built with `tokenizers`), and sentence-transformers files written by
+hand next to any model."""
 from __future__ import annotations
 
 import json
