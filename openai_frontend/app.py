@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse
 from starlette.responses import Response
 from starlette.exceptions import HTTPException
 
-from openai_frontend import runtime_lora, tokenizer_info
+from openai_frontend import pooling_routes, runtime_lora, tokenizer_info
 from openai_frontend.auth import ApiKeyMiddleware
 from openai_frontend.chat import render_chat
 from openai_frontend.errors import APIError, bad_request, model_not_found
@@ -151,13 +151,17 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         check_model(body.model)
         triton_request = with_adapter(completion_request(body), body.model)
         check_sequences(len(triton_request.prompts), body.n)
-        echo = None
+        fmt = CompletionFormat(body.model)
         if body.echo:
             # An id prompt echoes as /detokenize decodes it (vLLM's echo of a token prompt).
             texts = [p if isinstance(p, str) else await off_loop(tokenizer.decode, p)
                      for p in triton_request.prompts]
-            echo = [text for text in texts for _ in range(body.n or 1)]
-        return await answer(request, triton_request, CompletionFormat(body.model, echo=echo))
+            fmt.echo = per_choice(texts, body.n)
+            fmt.echo_only = body.max_tokens == 0
+            if body.logprobs is not None:
+                firsts = [await off_loop(first_token, tokenizer, p) for p in triton_request.prompts]
+                fmt.echo_first_tokens = per_choice(firsts, body.n)
+        return await answer(request, triton_request, fmt)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -178,6 +182,12 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
         return await answer(request, triton_request,
                             ChatFormat(body.model, top_logprobs=body.top_logprobs or 0,
                                        tools=plan, reasoning=reading))
+
+    def client_gone() -> None:
+        route_metrics.cancelled["client_disconnected"] += 1
+
+    pooling_routes.install(app, served_model_name, options.max_sequences_per_request,
+                           client_gone)
 
     @app.post("/tokenize")
     async def tokenize_route(body: TokenizeRequest, request: Request):
@@ -209,6 +219,18 @@ def create_app(triton_url: str, model: str, served_model_name: str, tokenizer: A
                                       route_metrics)
 
     return app
+
+
+def per_choice(values: list, n: int | None) -> list:
+    """Per prompt -> per choice (prompt p's sample i is choice p * n + i)."""
+    return [value for value in values for _ in range(n or 1)]
+
+
+def first_token(tokenizer: Any, prompt) -> str:
+    """The prompt's first token as text, decoded alone as vLLM decodes it for echo's
+    logprobs. A text is tokenized as the `llm` model tokenizes it (special tokens added)."""
+    ids = prompt if isinstance(prompt, list) else tokenizer(prompt)["input_ids"]
+    return tokenizer.decode(ids[:1])
 
 
 def _version() -> str:

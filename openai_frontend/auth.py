@@ -2,8 +2,9 @@
 
 vLLM's rule (vllm/entrypoints/serve/middleware/authenticate.py, 0.32) guards only the /v1
 prefix; here /tokenize and /detokenize are guarded too (stricter than vLLM: they run the
-tokenizer on whatever a client sends, CPU seconds for a large body), and /tokenizer_info
-(it shows the chat template, which a deployment may keep to itself), while /health,
+tokenizer on whatever a client sends, CPU seconds for a large body), /score, /rerank and
+/v2/rerank (they run the model, as /v1's routes do; vLLM 0.32 leaves them open), and
+/tokenizer_info (it shows the chat template, which a deployment may keep to itself), while /health,
 /metrics and /version stay open, and OPTIONS (CORS preflight) always passes. vLLM answers
 {"error": "Unauthorized"}; here the 401 is an OpenAI error object, which the openai
 client raises as AuthenticationError. Keys are compared by digest in constant time."""
@@ -20,7 +21,8 @@ from openai_frontend.errors import APIError
 
 # "/tokenize" is a prefix of "/tokenizer_info" too; named anyway, so that guard never
 # hangs on the spelling of another route.
-GUARDED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+GUARDED_PREFIXES = ("/v1", "/v2/rerank", "/score", "/rerank", "/tokenize", "/detokenize",
+                    "/tokenizer_info")
 ENV_VAR = "VLLM_API_KEY"
 
 

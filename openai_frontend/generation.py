@@ -71,5 +71,9 @@ async def complete(llm: TritonLLM, request: TritonRequest, fmt: OutputFormat) ->
         for i, text in enumerate(chunk.texts):
             positions = chunk.logprobs[i] if chunk.logprobs is not None else None
             choices.append(fmt.choice(p * n + i, text, chunk.finish_reasons[i], positions,
-                                      ChoiceState(), chunk=False))
-    return fmt.body(choices, usage(prompt_tokens, completion_tokens, total_cached(cached)))
+                                      ChoiceState(prompt_logprobs=chunk.prompt_logprobs),
+                                      chunk=False))
+    body = fmt.body(choices, usage(prompt_tokens, completion_tokens, total_cached(cached)))
+    if fmt.prompt_logprobs_on_body and "prompt_logprobs" in request.sampling:
+        body["prompt_logprobs"] = finals[0].prompt_logprobs
+    return body

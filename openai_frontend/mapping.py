@@ -45,10 +45,11 @@ def completion_request(req: CompletionRequest) -> TritonRequest:
         raise bad_request("suffix is not supported", "suffix")
     if req.best_of not in (None, 1, req.n or 1):
         raise bad_request("best_of must equal n (no ranking of sequences here)", "best_of")
-    if req.echo and req.logprobs is not None:
-        raise bad_request("echo with logprobs needs prompt logprobs, which this server "
-                          "does not compute", "echo")
     sampling = _sampling(req)
+    # vLLM's rule: echo with logprobs asks the prompt's logprobs at the same k, unless
+    # prompt_logprobs names its own.
+    if req.echo and req.logprobs is not None and req.prompt_logprobs is None:
+        sampling["prompt_logprobs"] = req.logprobs
     # OpenAI's and vLLM's completions default, sent: the model's generation_config
     # max_new_tokens (which the `llm` model puts under absent keys) is not a completion's
     # default in vLLM. An explicit null is vLLM's "unset": that default, else up to the
@@ -57,6 +58,10 @@ def completion_request(req: CompletionRequest) -> TritonRequest:
         sampling["max_tokens"] = req.max_tokens
     else:
         sampling["max_tokens"] = COMPLETION_MAX_TOKENS
+    if req.echo and req.max_tokens == 0:
+        # vLLM's echo without generation: the engine samples one token (it cannot prefill
+        # alone), the answer shows only the prompt (responses.CompletionFormat.echo_only).
+        sampling["max_tokens"] = 1
     if req.logprobs is not None:
         sampling["logprobs"] = req.logprobs
     return _triton_request(req, prompts, sampling, req.logprobs is not None)
@@ -107,6 +112,12 @@ def _triton_request(req: CommonFields, prompts: list[Prompt], sampling: dict[str
 
 def _sampling(req: CommonFields) -> dict[str, Any]:
     sampling = {name: getattr(req, name) for name in _PASSTHROUGH if getattr(req, name) is not None}
+    if req.prompt_logprobs is not None:
+        if req.stream and req.prompt_logprobs != 0:
+            # vLLM's rule: a stream has no place for them (only echo's ride its first chunk).
+            raise bad_request("prompt_logprobs are not available when stream=true",
+                              "prompt_logprobs")
+        sampling["prompt_logprobs"] = req.prompt_logprobs
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
     if req.user:  # "" from a client that fills every field: no tenant

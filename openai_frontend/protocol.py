@@ -111,6 +111,9 @@ class CommonFields(_Body):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     priority: int | None = None
+    # vLLM's: the prompt's logprobs, top k per position, returned as vLLM returns them
+    # (completions: on each choice; chat: on the response).
+    prompt_logprobs: int | None = None
     structured_outputs: dict[str, Any] | None = None
     guided_json: Union[dict[str, Any], str, None] = None
     guided_regex: str | None = None

@@ -10,12 +10,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from openai_frontend.errors import APIError
 from openai_frontend.reasoning import ReasoningPlan, ReasoningStream
 from openai_frontend.tool_calls import (ToolPlan, ToolStream, extract, finish_reason,
                                         message_tool_calls)
 
 # Per new token: [(token text, logprob), ...], the sampled token first (triton_client.Chunk).
-Positions = list[list[tuple[str, float]]]
+# A logprob of None: the prompt's first token, which has none (nothing comes before it).
+Positions = list[list[tuple[str, float | None]]]
 
 
 @dataclass(slots=True)
@@ -30,6 +32,9 @@ class ChoiceState:
     tools: ToolStream | None = None
     # Chat with --reasoning-parser, streamed: where the text is (reasoning or content).
     reasoning: ReasoningStream | None = None
+    # The prompt's logprobs (triton_client.Chunk.prompt_logprobs) once they arrived: echo
+    # with logprobs puts them before the completion's; whole answers return them as vLLM.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 def usage(prompt_tokens: int, completion_tokens: int,
@@ -63,6 +68,9 @@ class OutputFormat:
     # A stream chunk is due for a choice's first response even when it has no text (chat
     # announces the assistant role there).
     announces_start = False
+    # vLLM's chat returns a request's prompt_logprobs on the response, completions on
+    # each choice.
+    prompt_logprobs_on_body = False
 
     def __post_init__(self) -> None:
         self.request_id = self.request_id or f"{self.id_prefix}{uuid.uuid4().hex}"
@@ -92,17 +100,40 @@ class CompletionFormat(OutputFormat):
     chunk_object = "text_completion"
     # echo=true: each choice's prompt, by choice index, put before its first text.
     echo: list[str] | None = None
+    # echo with logprobs: each choice's first prompt token as text (its position has no
+    # logprob; the `llm` model sends null there, as vLLM).
+    echo_first_tokens: list[str] | None = None
+    # echo with max_tokens 0 (vLLM's): the engine sampled one token, which is not shown.
+    echo_only: bool = False
 
     def choice(self, index: int, text: str, finish_reason: str | None,
                positions: Positions | None, state: ChoiceState, chunk: bool) -> dict[str, Any]:
+        if self.echo_only:
+            text, positions = "", (None if positions is None else [])
         if self.echo is not None and not state.started:
+            if positions is not None:
+                positions = self._prompt_positions(index, state) + positions
             text = self.echo[index] + text
         state.started = True
         logprobs = None
         if positions is not None:
             logprobs = completion_logprobs(positions, state.text_offset)
-        state.text_offset += len(text)
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if logprobs and logprobs["tokens"]:
+            # vLLM's rule: the next offset follows the tokens reported, not the text (text
+            # held back for a stop string lags them).
+            state.text_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
+        elif positions is None:
+            state.text_offset += len(text)
+        body = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        if not chunk and state.prompt_logprobs is not None:
+            body["prompt_logprobs"] = state.prompt_logprobs
+        return body
+
+    def _prompt_positions(self, index: int, state: ChoiceState) -> Positions:
+        if state.prompt_logprobs is None or self.echo_first_tokens is None:
+            raise APIError(500, "the `llm` model sent no prompt_logprobs for echo with "
+                           "logprobs (a backend without them?)", code="internal_error")
+        return prompt_positions(self.echo_first_tokens[index], state.prompt_logprobs)
 
 
 @dataclass(slots=True)
@@ -111,6 +142,7 @@ class ChatFormat(OutputFormat):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     announces_start = True
+    prompt_logprobs_on_body = True
     top_logprobs: int = 0
     # The request's tools (openai_frontend/tool_calls.py); None: plain text replies.
     tools: ToolPlan | None = None
@@ -189,14 +221,28 @@ def completion_logprobs(positions: Positions, text_offset: int) -> dict[str, Any
         token, logprob = position[0]
         tokens.append(token)
         token_logprobs.append(logprob)
+        offsets.append(text_offset)
+        text_offset += len(token)
+        if logprob is None:  # the prompt's first token: nothing to rank
+            top.append(None)
+            continue
         alternatives: dict[str, float] = {}
         for text, value in position:
             alternatives[text] = max(value, alternatives.get(text, value))
         top.append(alternatives)
-        offsets.append(text_offset)
-        text_offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
             "text_offset": offsets}
+
+
+def prompt_positions(first_token: str,
+                     prompt_logprobs: list[dict[str, dict[str, Any]] | None]) -> Positions:
+    """The `llm` model's prompt_logprobs as Positions: the first token with no logprob,
+    then per position the prompt's token and its top-k, in the order sent (prompt first)."""
+    positions: Positions = [[(first_token, None)]]
+    for position in prompt_logprobs[1:]:
+        positions.append([(info.get("decoded_token", ""), float(info["logprob"]))
+                          for info in (position or {}).values()])
+    return positions
 
 
 def chat_logprobs(positions: Positions, top_logprobs: int) -> dict[str, Any]:

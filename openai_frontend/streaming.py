@@ -118,14 +118,20 @@ def _chunk_event(prompt_index: int, chunk: Chunk, states: dict[int, ChoiceState]
     choices = []
     for i, text in enumerate(chunk.texts):
         state = states[prompt_index * n + i]
+        if chunk.prompt_logprobs is not None:  # sent once, with the first response
+            state.prompt_logprobs = chunk.prompt_logprobs
         if state.finish_reason is not None:
             continue  # n > 1: a finished sequence still has (empty) entries
         state.completion_tokens += chunk.num_output_tokens[i]
         reason = chunk.finish_reasons[i]
-        if not text and reason is None and (state.started or not fmt.announces_start):
+        positions = chunk.logprobs[i] if chunk.logprobs is not None else None
+        # A token whose text is held back (a stop string may follow, a character is cut)
+        # still goes out when it has logprobs, as vLLM sends it: else echo's prompt
+        # logprobs, or the token's own, would wait or be lost.
+        if not text and reason is None and not positions \
+                and (state.started or not fmt.announces_start):
             continue
         state.finish_reason = reason
-        positions = chunk.logprobs[i] if chunk.logprobs is not None else None
         choice = fmt.choice(prompt_index * n + i, text, reason, positions, state, chunk=True)
         if choice is not None:
             choices.append(choice)

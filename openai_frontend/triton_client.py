@@ -31,10 +31,13 @@ class Chunk:
     final: bool
     # Prompt tokens the prefix cache held; None when not asked (--no-enable-prompt-tokens-details).
     num_cached_tokens: int | None = None
+    # sampling "prompt_logprobs" (first response only): vLLM's layout, None for the first
+    # position, then {"<token id>": {"logprob", "rank", "decoded_token"}}, prompt token first.
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None
 
 
 _TRITON_TYPES = {np.dtype(np.object_): "BYTES", np.dtype(np.bool_): "BOOL",
-                 np.dtype(np.int64): "INT64"}
+                 np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32"}
 
 
 def request_inputs(prompt: Prompt, sampling: dict[str, Any], stream: bool, logprobs: bool,
@@ -79,9 +82,24 @@ def parse_response(outputs: dict[str, np.ndarray], final: bool) -> Chunk:
                       for info in position.values()] for position in json.loads(raw)]
                     for raw in outputs["logprobs"].reshape(-1)]
     cached = outputs.get("num_cached_tokens")
+    prompt_logprobs = None
+    if "prompt_logprobs" in outputs:
+        prompt_logprobs = clamp_logprobs(json.loads(outputs["prompt_logprobs"].reshape(-1)[0]))
     return Chunk(texts, reasons, int(outputs["num_input_tokens"].reshape(-1)[0]),
                  [int(n) for n in outputs["num_output_tokens"].reshape(-1)], logprobs, final,
-                 None if cached is None else int(cached.reshape(-1)[0]))
+                 None if cached is None else int(cached.reshape(-1)[0]), prompt_logprobs)
+
+
+# OpenAI's (and vLLM's) stand-in for -inf, which JSON cannot carry.
+LOGPROB_FLOOR = -9999.0
+
+
+def clamp_logprobs(positions: list[dict[str, dict[str, Any]] | None]
+                   ) -> list[dict[str, dict[str, Any]] | None]:
+    for position in positions:
+        for info in (position or {}).values():
+            info["logprob"] = max(float(info["logprob"]), LOGPROB_FLOOR)
+    return positions
 
 
 # gRPC's reconnect backoff grows to 120 s while tritonserver is down (a restart, a
@@ -158,6 +176,26 @@ class TritonLLM:
         async with contextlib.aclosing(self._infer(inputs)) as responses:
             async for outputs, final in responses:
                 yield parse_response(outputs, final)
+
+    async def pool(self, payload: dict[str, Any], priority: int | None = None
+                   ) -> tuple[list[float], int]:
+        """A pooling model's answer to one `embedding_request` (docs/INTERFACE.md): (its
+        vector, the prompt's tokens). A generation model refuses it, naming `runner`."""
+        tensors = {"embedding_request": np.array([json.dumps(payload).encode("utf-8")],
+                                                 dtype=np.object_),
+                   "return_num_input_tokens": np.array([True])}
+        if priority is not None:
+            tensors["priority"] = np.array([priority], dtype=np.int32)
+        vector, tokens = None, 0
+        async with contextlib.aclosing(self._infer(infer_inputs(tensors))) as responses:
+            async for outputs, _ in responses:
+                if "text_output" in outputs:
+                    vector = json.loads(outputs["text_output"].reshape(-1)[0])
+                if "num_input_tokens" in outputs:
+                    tokens = int(outputs["num_input_tokens"].reshape(-1)[0])
+        if not isinstance(vector, list):
+            raise APIError(500, f"model {self.model!r} sent no vector", code="internal_error")
+        return [float(v) for v in vector], tokens
 
     async def _infer(self, inputs: list[grpcclient.InferInput]
                      ) -> AsyncIterator[tuple[dict[str, np.ndarray], bool]]:

@@ -77,7 +77,8 @@ def test_completion_prompt_forms():
         assert fragment in error.message, (prompt, error.message)
     refused(lambda: completion(suffix="x"), "suffix")
     refused(lambda: completion(best_of=3), "best_of")
-    refused(lambda: completion(echo=True, logprobs=1), "echo")
+    # echo with logprobs asks the prompt's logprobs (tests/openai_frontend/test_echo_logprobs.py)
+    assert completion(echo=True, logprobs=1).sampling["prompt_logprobs"] == 1
     assert completion(best_of=1).sampling == {"max_tokens": 16}
 
 
