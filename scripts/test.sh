@@ -15,6 +15,10 @@ bash scripts/setup.sh
 # vLLM's own code for tests/conformance/; there a missing venv fails, never skips.
 bash scripts/setup_vllm.sh
 export TLE_REQUIRE_VLLM=1
+# lm-eval's own code for tests/e2e/test_lm_eval.py, in a venv of its own; there too a
+# missing venv fails, never skips.
+bash scripts/setup_lmeval.sh
+export TLE_REQUIRE_LMEVAL=1
 PYTEST=(.venv/bin/python -m pytest -q -p no:cacheprovider --timeout=1200 --durations=15)
 CAPPED_TESTS=(tests/kernels/cpu/test_features.py tests/kernels/cpu/test_linear.py
               tests/kernels/cpu/test_gemm.py tests/kernels/test_linear_dispatch.py
