@@ -4,14 +4,13 @@ runner="pooling", LLM(model, runner="pooling").embed(prompts) and .score(text_1,
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
-from tqdm.auto import tqdm
+from typing import Callable, Sequence
 
 from engine.config import EngineConfig
 from engine.faults import FaultPlan
 from engine.llm_engine import LLMEngine
 from engine.lora.request import LoRARequest
+from engine.offline_run import run_to_completion
 from engine.outputs import RequestOutput
 from engine.pooling import offline
 from engine.pooling.outputs import EmbeddingRequestOutput, ScoringRequestOutput
@@ -75,26 +74,17 @@ class LLM:
             if id(p) not in final_only:
                 final_only[id(p)] = dataclasses.replace(
                     p, output_kind=RequestOutputKind.FINAL_ONLY)
-        ids = []
-        try:
-            for prompt, p, lora, tenant in zip(prompts, params, loras, tenants):
-                rid = str(self._next_id)
-                self._next_id += 1
+
+        def adder(prompt, p, lora, tenant) -> Callable[[], str]:
+            def add() -> str:
+                rid = self._new_id()
                 engine.add_request(rid, prompt, final_only[id(p)], lora_request=lora,
-                                  tenant=tenant)
-                ids.append(rid)
-        except Exception:
-            engine.abort_request(ids)
-            raise
-        results: dict[str, RequestOutput] = {}
-        show = use_tqdm if use_tqdm is not None else len(prompts) >= 8
-        with tqdm(total=len(ids), desc="generate", unit="req", disable=not show) as bar:
-            while engine.has_unfinished_requests():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
-        return [results[rid] for rid in ids]
+                                   tenant=tenant)
+                return rid
+            return add
+
+        return run_to_completion(engine, map(adder, prompts, params, loras, tenants),
+                                 "generate", use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, use_tqdm: bool | None = None

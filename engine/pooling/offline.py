@@ -9,8 +9,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
-from tqdm.auto import tqdm
-
+from engine.offline_run import run_to_completion
 from engine.pooling.outputs import (EmbeddingRequestOutput, PoolingRequestOutput,
                                     ScoringOutput, ScoringRequestOutput)
 from engine.pooling.params import PoolingParams
@@ -85,26 +84,19 @@ def run(engine: Any, new_id: Callable[[], str], prompts: list, pooling_params, u
     if not prompts:
         raise ValueError("pass at least one prompt")
     params = _params_per_prompt(pooling_params, len(prompts), tokenization_kwargs)
-    ids: list[str] = []
-    try:
-        for index, (prompt, p) in enumerate(zip(prompts, params)):
+
+    def adder(index: int, prompt, p) -> Callable[[], str]:
+        def add() -> str:
             rid = new_id()
             try:
                 engine.add_request(rid, prompt, p)
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from exc
-            ids.append(rid)
-    except Exception:
-        engine.abort_request(ids)
-        raise
-    results: dict[str, PoolingRequestOutput] = {}
-    show = use_tqdm if use_tqdm is not None else len(prompts) >= 8
-    with tqdm(total=len(ids), desc=desc, unit="req", disable=not show) as bar:
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                results[out.request_id] = out
-                bar.update(1)
-    return [results[rid] for rid in ids]
+            return rid
+        return add
+
+    return run_to_completion(engine, map(adder, range(len(prompts)), prompts, params), desc,
+                             use_tqdm)
 
 
 def _params_per_prompt(pooling_params, count: int,
