@@ -84,12 +84,7 @@ class LLMModel(EngineModel):
                                  f"per prompt): send {EMBEDDING_REQUEST}, not a generation "
                                  "request (text_input / prompt_token_ids)")
         parsed = parse_pooling_request(inputs, request.parameters(), self._vocab_size,
-                                       self._max_model_len)
-        if isinstance(parsed.prompt, str) and parsed.params.truncate_prompt_tokens is None:
-            # Over the byte bound it can never fit; with truncation any length may.
-            check_prompt_size(np.array([parsed.prompt.encode("utf-8")], dtype=np.object_),
-                              self._max_prompt_bytes, self._max_model_len,
-                              name=f"{EMBEDDING_REQUEST}.input")
+                                       self._max_model_len, self._max_prompt_bytes)
         # The engine tokenizes a text (with the request's truncation) in add_request.
         builder = PoolingResponseBuilder(parsed, max_model_len=self._max_model_len)
         return Inflight(request_id, parsed.prompt, parsed.params, sender, builder.build, arrival,

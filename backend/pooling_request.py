@@ -27,6 +27,10 @@ _GENERATION_INPUTS = ("text_input", "prompt_token_ids", "sampling_parameters", "
 # vllm_backend's EmbedRequest answers the first three, and ours the last two as for a
 # generation request; generation's other switches (exclude_input_in_output,
 # return_logprobs, ...) are ignored, as vllm_backend ignores them for an embedding request.
+# How much longer than what could ever fit a text may be when truncate_prompt_tokens cuts
+# it: a document cut to its head is a normal request, but its text is tokenized whole on
+# the engine thread (engine/pooling/inputs.py), where every other request waits on it.
+TRUNCATED_TEXT_FACTOR = 16
 _RETURNS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens",
             "return_num_cached_tokens", "return_max_model_len")
 
@@ -44,9 +48,12 @@ class PoolingRequest:
 def parse_pooling_request(inputs: Mapping[str, np.ndarray | None],
                           request_parameters: str | bytes = "",
                           vocab_size: int | None = None,
-                          max_model_len: int | None = None) -> PoolingRequest:
-    """`vocab_size` and `max_model_len`: the engine's; None leaves those bounds to the
-    engine (unit tests). Raises InvalidRequest naming the field."""
+                          max_model_len: int | None = None,
+                          max_text_bytes: int | None = None) -> PoolingRequest:
+    """`vocab_size` and `max_model_len`: the engine's; `max_text_bytes`: the most UTF-8
+    bytes that could ever fit max_model_len tokens (backend/prompt_limits.py), for each
+    text, TRUNCATED_TEXT_FACTOR times that under truncate_prompt_tokens. None leaves
+    those bounds to the engine (unit tests). Raises InvalidRequest naming the field."""
     sent = [name for name in _GENERATION_INPUTS if inputs.get(name) is not None]
     if sent:
         raise InvalidRequest(f"{', '.join(sent)}: a pooling request carries embedding_request "
@@ -67,6 +74,8 @@ def parse_pooling_request(inputs: Mapping[str, np.ndarray | None],
         raise InvalidRequest(f"{EMBEDDING_REQUEST}.input holds {len(prompt)} token ids, more than "
                              f"max_model_len={max_model_len} (pooling_params."
                              "truncate_prompt_tokens cuts it)")
+    if max_text_bytes is not None:
+        _check_text_bytes(prompt, max_text_bytes, params.truncate_prompt_tokens is not None)
     req_params = load_json_object("request parameters", request_parameters)
     extra = sorted(set(req_params) - {*_RETURNS, "stream", "priority"})
     if extra:
@@ -84,6 +93,19 @@ def parse_pooling_request(inputs: Mapping[str, np.ndarray | None],
         priority = req_params.get("priority")
     return PoolingRequest(prompt, params, 0 if priority is None else parse_priority(priority),
                           returns)
+
+
+def _check_text_bytes(prompt: Any, limit: int, truncated: bool) -> None:
+    texts = [prompt] if isinstance(prompt, str) else list(prompt) if isinstance(prompt, tuple) else []
+    if truncated:
+        limit *= TRUNCATED_TEXT_FACTOR
+    for text in texts:
+        size = len(text.encode("utf-8"))
+        if size > limit:
+            cut = (f"{TRUNCATED_TEXT_FACTOR} times what fits, the most taken for truncation"
+                   if truncated else "what could ever fit max_model_len tokens")
+            raise InvalidRequest(f"{EMBEDDING_REQUEST}.input: a text of {size} bytes, more "
+                                 f"than {limit} bytes ({cut})")
 
 
 def _pooling_params(value: Any) -> PoolingParams:

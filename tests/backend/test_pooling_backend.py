@@ -13,7 +13,7 @@ import pytest
 
 from backend.inflight import Inflight, record_timings
 from backend.metrics import StepMetrics
-from backend.pooling_request import parse_pooling_request
+from backend.pooling_request import TRUNCATED_TEXT_FACTOR, parse_pooling_request
 from backend.pooling_responses import PoolingResponseBuilder
 from backend.request_parsing import InvalidRequest
 from engine.api import PoolingOutput, PoolingParams, PoolingRequestOutput
@@ -104,6 +104,22 @@ def test_an_id_list_over_max_model_len_is_refused_unless_truncated():
             max_model_len=8)
     truncated = {**ids, "pooling_params": {"truncate_prompt_tokens": 8}}
     assert parse_pooling_request(request(truncated), "", VOCAB, 8).prompt == list(range(10))
+
+
+def test_texts_over_what_could_fit_are_refused_before_the_engine_tokenizes_them():
+    """Each text of the input (both of a pair) against the byte bound; under truncation
+    TRUNCATED_TEXT_FACTOR times it, never without end (the engine thread tokenizes it)."""
+    limit = 100
+    fits, over = "a" * limit, "a" * (limit + 1)
+    assert parse_pooling_request(request({"input": fits}), "", VOCAB, 8, limit).prompt == fits
+    for body in ({"input": over}, {"input": [fits, over]}):
+        with pytest.raises(InvalidRequest, match="101 bytes, more than 100 bytes"):
+            parse_pooling_request(request(body), "", VOCAB, 8, limit)
+    cut = {"pooling_params": {"truncate_prompt_tokens": 8}}
+    long = "a" * (limit * TRUNCATED_TEXT_FACTOR)
+    assert parse_pooling_request(request({"input": long, **cut}), "", VOCAB, 8, limit).prompt == long
+    with pytest.raises(InvalidRequest, match="the most taken for truncation"):
+        parse_pooling_request(request({"input": long + "a", **cut}), "", VOCAB, 8, limit)
 
 
 def test_the_response_is_the_vector_as_json_and_the_counts_asked():
