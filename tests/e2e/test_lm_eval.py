@@ -25,7 +25,7 @@ import pytest
 from backend.repository_layout import copy_repository
 from backend.triton_server import REPO_ROOT
 from tests.e2e.shared import DEFAULT_MODEL_ARGS, running_server
-from tests.e2e.test_openai_frontend import start_frontend, stop_frontend
+from tests.e2e.test_openai_frontend import running_frontend
 
 pytestmark = pytest.mark.slow
 
@@ -131,11 +131,8 @@ def route(tmp_path_factory, lmeval_python, model_dir) -> str:
                            params={"llm": {"model": str(model_dir), **ENGINE_ARGS}})
     with running_server(repo, work, load=["llm"]) as handle:
         # start_frontend names the model tiny-llama; argparse keeps the last value given.
-        process, url = start_frontend(_Server(handle, model_dir), "--served-model-name", SERVED)
-        try:
+        with running_frontend(_Server(handle, model_dir), "--served-model-name", SERVED) as url:
             yield f"{url}/v1/completions"
-        finally:
-            stop_frontend(process)
 
 
 def run_lm_eval(python: Path, model: str, model_args: dict[str, str], task_names: list[str],

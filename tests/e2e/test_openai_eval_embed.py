@@ -7,13 +7,14 @@ BERT embedder and a tiny cross-encoder) is tests/e2e/test_pooling_triton.py's fi
 from __future__ import annotations
 
 import math
+from contextlib import ExitStack
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import requests
 
-from tests.e2e.test_openai_frontend import start_frontend, stop_frontend
+from tests.e2e.test_openai_frontend import openai_client, running_frontend
 # The pooling server's fixtures, used as they are (one server for this module; its
 # `server` stands in for the session's, which this module does not use).
 from tests.e2e.test_pooling_triton import (DOC, QUERY, TEXTS, folders, offline,  # noqa: F401
@@ -29,26 +30,14 @@ K = 2
 TOL = 1e-4
 
 
-def frontend_for(grpc_url: str, model: str, folder):
-    server = SimpleNamespace(grpc=grpc_url, metrics="", model_dir=folder)
-    return start_frontend(server, "--model", model, "--served-model-name", model)
-
-
 @pytest.fixture(scope="module")
 def routes(url, folders):  # noqa: F811 - the imported fixture
     """One route per served model: {name: base url}."""
-    started = {}
-    try:
-        for name in ("generator", "embedder", "reranker"):
-            started[name] = frontend_for(url, name, folders[name])
-        yield {name: base for name, (_, base) in started.items()}
-    finally:
-        for process, _ in started.values():
-            stop_frontend(process)
-
-
-def client(base: str):
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(running_frontend(
+                   SimpleNamespace(grpc=url, metrics="", model_dir=folders[name]),
+                   "--model", name, "--served-model-name", name))
+               for name in ("generator", "embedder", "reranker")}
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +76,7 @@ def assert_prompt_logprobs(logprobs, reference):
 
 
 def test_echo_logprobs_with_max_tokens_0_are_the_offline_prompt_logprobs(routes, reference):
-    api = client(routes["generator"])
+    api = openai_client(routes["generator"])
     by_text = api.completions.create(model="generator", prompt=PROMPT, echo=True, logprobs=K,
                                      max_tokens=0)
     by_ids = api.completions.create(model="generator", prompt=reference.ids, echo=True,
@@ -110,7 +99,7 @@ def test_echo_logprobs_with_max_tokens_0_are_the_offline_prompt_logprobs(routes,
 
 
 def test_echo_logprobs_put_the_prompts_before_the_completions(routes, reference):
-    api = client(routes["generator"])
+    api = openai_client(routes["generator"])
     plain = api.completions.create(model="generator", prompt=PROMPT, logprobs=K, max_tokens=3,
                                    temperature=0)
     echoed = api.completions.create(model="generator", prompt=PROMPT, logprobs=K, max_tokens=3,
@@ -156,7 +145,7 @@ def test_prompt_logprobs_in_extra_body_are_returned_as_vllm_returns_them(routes,
 
 def test_embeddings_through_the_openai_client_equal_the_offline_engines(  # noqa: F811
         routes, offline):
-    api = client(routes["embedder"])
+    api = openai_client(routes["embedder"])
     llm = offline("embedder")
     ids = llm.get_tokenizer().encode(TEXTS[1])
     wanted = [o.outputs.embedding for o in llm.embed([*TEXTS, ids])]
@@ -176,13 +165,13 @@ def test_embeddings_through_the_openai_client_equal_the_offline_engines(  # noqa
 
 def test_the_wrong_kind_of_model_is_a_400_naming_runner(routes):
     with pytest.raises(openai.BadRequestError) as error:
-        client(routes["generator"]).embeddings.create(model="generator", input="hi")
+        openai_client(routes["generator"]).embeddings.create(model="generator", input="hi")
     assert "runner" in str(error.value)
     with pytest.raises(openai.BadRequestError) as error:
-        client(routes["embedder"]).completions.create(model="embedder", prompt="hi")
+        openai_client(routes["embedder"]).completions.create(model="embedder", prompt="hi")
     assert "runner" in str(error.value)
     with pytest.raises(openai.BadRequestError) as error:
-        client(routes["embedder"]).embeddings.create(model="embedder", input=[])
+        openai_client(routes["embedder"]).embeddings.create(model="embedder", input=[])
     assert error.value.body["param"] == "input"
 
 

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -63,18 +64,31 @@ def stop_frontend(process):
     process.wait(timeout=20)
 
 
-@pytest.fixture(scope="module")
-def frontend(server):
-    process, url = start_frontend(server, "--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+@contextmanager
+def running_frontend(server, *extra_args, env=None):
+    """start_frontend for a `with` block (a module fixture's life): yields the url."""
+    process, url = start_frontend(server, *extra_args, env=env)
     try:
         yield url
     finally:
         stop_frontend(process)
 
 
+def openai_client(url: str, api_key: str = "unused") -> "openai.OpenAI":
+    """The official client on a route's /v1, no retries (a failure shows at once)."""
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def frontend(server):
+    with running_frontend(server, "--enable-auto-tool-choice", "--tool-call-parser",
+                          "hermes") as url:
+        yield url
+
+
 @pytest.fixture(scope="module")
 def client(frontend):
-    return openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(frontend)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from tests.e2e.shared import PROMPTS, TINY_ENGINE_ARGS
-from tests.e2e.test_openai_frontend import SERVED, start_frontend, stop_frontend, triton
+from tests.e2e.test_openai_frontend import SERVED, openai_client, running_frontend, triton
 
 openai = pytest.importorskip("openai", reason="openai is not installed (pip install -e '.[test]')")
 
@@ -83,16 +83,13 @@ def vocab_size(server) -> int:
 
 @pytest.fixture(scope="module")
 def frontend(server):
-    process, url = start_frontend(server, "--enable-tokenizer-info-endpoint")
-    try:
+    with running_frontend(server, "--enable-tokenizer-info-endpoint") as url:
         yield url
-    finally:
-        stop_frontend(process)
 
 
 @pytest.fixture(scope="module")
 def client(frontend):
-    return openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai_client(frontend)
 
 
 def test_an_id_prompt_samples_the_same_tokens_as_its_text(server, tokenizer):
