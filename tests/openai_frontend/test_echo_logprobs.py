@@ -118,18 +118,26 @@ def test_missing_prompt_logprobs_is_a_server_error_not_a_wrong_answer():
     assert error.value.status == 500 and "prompt_logprobs" in error.value.message
 
 
-def test_stream_carries_the_prompts_logprobs_on_its_first_chunk():
+def streamed_echo(first: Chunk, *rest: Chunk) -> list[dict]:
+    """The SSE chunks of an echo + logprobs=1 completion stream whose Triton responses
+    are `first` (the one holding the prompt logprobs), then `rest`."""
     async def source():
-        yield 0, Chunk([" gh"], [None], 3, [1], [[[(" gh", -0.5)]]], False)
-        yield 0, Chunk([" ij"], ["length"], 3, [1], [[[(" ij", -0.75)]]], True)
+        for chunk in rest:
+            yield 0, chunk
 
     async def collect():
-        first = (0, Chunk([" ef"], [None], 3, [1], [[[(" ef", -1.0)]]], False,
-                          prompt_logprobs=PROMPT_LOGPROBS))
         request = completion(echo=True, logprobs=1, stream=True)
-        return [e async for e in events(first, source(), request, echo_format())]
+        return [e async for e in events((0, first), source(), request, echo_format())]
 
-    chunks = [json.loads(e[6:]) for e in asyncio.run(collect()) if "[DONE]" not in e]
+    return [json.loads(e[6:]) for e in asyncio.run(collect()) if "[DONE]" not in e]
+
+
+def test_stream_carries_the_prompts_logprobs_on_its_first_chunk():
+    chunks = streamed_echo(
+        Chunk([" ef"], [None], 3, [1], [[[(" ef", -1.0)]]], False,
+              prompt_logprobs=PROMPT_LOGPROBS),
+        Chunk([" gh"], [None], 3, [1], [[[(" gh", -0.5)]]], False),
+        Chunk([" ij"], ["length"], 3, [1], [[[(" ij", -0.75)]]], True))
     choices = [c["choices"][0] for c in chunks]
     assert [c["text"] for c in choices] == ["<s>ab cd ef", " gh", " ij"]
     assert choices[0]["logprobs"]["tokens"] == ["<s>", "ab", " cd", " ef"]
@@ -142,17 +150,11 @@ def test_stream_carries_the_prompts_logprobs_on_its_first_chunk():
 
 
 def test_a_held_back_token_still_brings_its_logprobs_and_the_echo():
-    async def source():
-        yield 0, Chunk([" ef"], ["length"], 3, [1], [[[(" ef", -1.0)]]], True)
-
-    async def collect():
-        # the first token's text is held back (empty), its logprobs are not
-        first = (0, Chunk([""], [None], 3, [1], [[[("\ufffd", -3.0)]]], False,
-                          prompt_logprobs=PROMPT_LOGPROBS))
-        request = completion(echo=True, logprobs=1, stream=True)
-        return [e async for e in events(first, source(), request, echo_format())]
-
-    chunks = [json.loads(e[6:]) for e in asyncio.run(collect()) if "[DONE]" not in e]
+    # the first token's text is held back (empty), its logprobs are not
+    chunks = streamed_echo(
+        Chunk([""], [None], 3, [1], [[[("\ufffd", -3.0)]]], False,
+              prompt_logprobs=PROMPT_LOGPROBS),
+        Chunk([" ef"], ["length"], 3, [1], [[[(" ef", -1.0)]]], True))
     tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
     assert tokens == ["<s>", "ab", " cd", "\ufffd", " ef"]
     assert chunks[0]["choices"][0]["text"] == "<s>ab cd"
