@@ -18,6 +18,7 @@ from openai_frontend.responses import (ChatFormat, CompletionFormat, chat_logpro
                                        total_cached, usage)
 from openai_frontend.streaming import events
 from openai_frontend.triton_client import Chunk, parse_response, request_inputs
+from tests.openai_frontend.refusals import refused
 
 USER = [{"role": "user", "content": "Hi"}]
 
@@ -28,13 +29,6 @@ def completion(**fields):
 
 def chat(**fields):
     return chat_request(ChatCompletionRequest(model="m", messages=USER, **fields), "PROMPT")
-
-
-def refused(call, param):
-    with pytest.raises(APIError) as error:
-        call()
-    assert error.value.status == 400 and error.value.param == param, error.value.body()
-    return error.value
 
 
 def test_completion_parameters_are_forwarded_under_vllm_names():

@@ -10,19 +10,12 @@ import numpy as np
 import pytest
 
 from backend.triton_server import free_port
-from openai_frontend.errors import APIError
 from openai_frontend.pooling import (cosine, decode_embedding, embedding_body, encode_embedding,
                                      pooling_payload, rerank_body, score_body, score_pairs,
                                      split_inputs)
+from tests.openai_frontend.refusals import refused
 
 KEY = "sk-test"
-
-
-def refused(call, param):
-    with pytest.raises(APIError) as error:
-        call()
-    assert error.value.status == 400 and error.value.param == param, error.value.body()
-    return error.value
 
 
 def test_inputs_in_openais_four_forms():

@@ -9,7 +9,6 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from openai_frontend.errors import APIError
 from openai_frontend.mapping import chat_request
 from openai_frontend.protocol import ChatCompletionRequest
 from openai_frontend.responses import ChatFormat, ChoiceState
@@ -17,6 +16,7 @@ from openai_frontend.streaming import events
 from openai_frontend.tool_calls import ToolCallConfig, ToolPlan, plan_tools, required_schema
 from openai_frontend.tool_parsers import make_parser
 from openai_frontend.triton_client import Chunk
+from tests.openai_frontend.refusals import refused
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
@@ -24,13 +24,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 AUTO = ToolCallConfig("hermes", enable_auto_tool_choice=True)
 USER = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-def refused(call, param):
-    with pytest.raises(APIError) as error:
-        call()
-    assert error.value.status == 400 and error.value.param == param, error.value.body()
-    return error.value
 
 
 def test_named_choice_constrains_to_the_functions_parameters():
