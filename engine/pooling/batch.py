@@ -1,8 +1,8 @@
 """A pooling step's inputs: each scheduled request's chunk of prompt tokens, back to
 back, and for a decoder the paged-attention metadata that writes their K/V and attends
 over the request's cached context. A pooling step is prefill only (no request ever
-decodes), so this is the prefill half of engine/worker/model_runner.py's batch, without
-the sampling rows."""
+decodes), so this is the prefill half of engine/worker/model_runner.py's batch, built by
+the same engine/worker/prefill_batch.py, without the sampling rows."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,6 +11,7 @@ import torch
 
 from engine.core.sched_output import SchedulerOutput
 from engine.models.attention import AttentionMetadata
+from engine.worker.prefill_batch import chunk_inputs, padded_table
 
 
 @dataclass(slots=True)
@@ -44,26 +45,11 @@ def paged_inputs(out: SchedulerOutput, chunks: StepChunks, block_size: int, num_
                  ) -> tuple[torch.Tensor, AttentionMetadata | tuple[AttentionMetadata, ...]]:
     """Positions [T] and the attention metadata (one per KV-cache group; a bare one for a
     model of one group, as the models take it)."""
-    num_seqs = len(chunks.lens)
-    q_lens = torch.tensor(chunks.lens, dtype=torch.int64)
-    seq_lens = torch.tensor(chunks.starts, dtype=torch.int64) + q_lens
-    qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
-    torch.cumsum(q_lens, 0, out=qsl[1:])
-    seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-    positions = (seq_lens - q_lens)[seq_index] + (torch.arange(int(qsl[-1])) - qsl[:-1][seq_index])
-    metas = []
-    for group in range(num_groups):
-        tables = [out.block_ids[rid][group] for rid in chunks.request_ids]
-        width = max(len(t) for t in tables)
-        # Padding entries point at block 0; seq_lens keeps them from being read.
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        slots = table[seq_index, positions // block_size].to(torch.int64) * block_size \
-            + positions % block_size
-        metas.append(AttentionMetadata(
-            slot_mapping=slots.to(device), block_tables=table.to(device),
-            query_start_loc=qsl.to(torch.int32).to(device),
-            seq_lens=seq_lens.to(torch.int32).to(device),
-            max_query_len=max(chunks.lens), max_seq_len=int(seq_lens.max())))
+    tables = [padded_table([out.block_ids[rid][group] for rid in chunks.request_ids])
+              for group in range(num_groups)]
+    seq_lens = [start + n for start, n in zip(chunks.starts, chunks.lens)]
+    positions, _, metas = chunk_inputs(chunks.lens, seq_lens, tables, block_size,
+                                       lambda t: t.to(device))
     return positions.to(device), metas[0] if num_groups == 1 else tuple(metas)
 
 

@@ -30,6 +30,7 @@ from engine.sampling_params import SamplingParams
 from engine.worker import host_memory
 from engine.worker.cuda_graphs import DecodeGraphs
 from engine.worker.kv_pool import kv_layout
+from engine.worker.prefill_batch import chunk_inputs, padded_table
 from kernels import dispatch
 
 if TYPE_CHECKING:
@@ -77,11 +78,6 @@ class StepInputs:
         prompt_rows = None if self.prompt_rows is None else self.prompt_rows.to(device)
         return StepInputs(self.input_ids.to(device), self.positions.to(device), meta, rows,
                           self.lora, prompt_rows)
-
-
-def _padded_table(tables: list[list[int]]) -> torch.Tensor:
-    width = max(len(t) for t in tables)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
 def _meta_to(m: AttentionMetadata, device: torch.device) -> AttentionMetadata:
@@ -257,8 +253,7 @@ class ModelRunner:
 
         device = self.device
         num_seqs = len(requests)
-        # Padding entries point at block 0; seq_lens keeps them from being read.
-        block_tables = [_padded_table(t) for t in group_tables]
+        block_tables = [padded_table(t) for t in group_tables]
         if len(token_ids) == num_seqs == len(sample_reqs):
             # Decodes only (one token a sequence, every one sampled; a 1-token prefill
             # chunk that is not a prompt's last is not sampled): the tensor recipe
@@ -279,25 +274,9 @@ class ModelRunner:
                     self._upload(torch.tensor(positions_list, dtype=torch.int64)),
                     metas[0] if one_group else tuple(metas),
                     torch.arange(num_seqs, device=device), sample_reqs)
-        q_lens = torch.tensor(query_lens, dtype=torch.int64)
-        s_lens = torch.tensor(seq_lens, dtype=torch.int64)
-        qsl = torch.zeros(num_seqs + 1, dtype=torch.int64)
-        torch.cumsum(q_lens, 0, out=qsl[1:])
-        num_tokens = int(qsl[-1])
-        seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens)
-        # Position of each token: its sequence's first new position plus its offset.
-        positions = (s_lens - q_lens)[seq_index] + (torch.arange(num_tokens) - qsl[:-1][seq_index])
-        block_of, offset = positions // bs, positions % bs
+        positions, qsl, metas = chunk_inputs(query_lens, seq_lens, block_tables, bs,
+                                             self._upload)
         sample_rows = (qsl[1:] - 1)[torch.tensor(sample_flags, dtype=torch.bool)]
-        query_start_loc = self._upload(qsl.to(torch.int32))
-        seq_lens_t = self._upload(s_lens.to(torch.int32))
-        metas = [AttentionMetadata(
-            slot_mapping=self._upload(block_table[seq_index, block_of].to(torch.int64) * bs
-                                      + offset),
-            block_tables=self._upload(block_table),
-            query_start_loc=query_start_loc, seq_lens=seq_lens_t,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-            for block_table in block_tables]
         input_ids = self._upload(torch.tensor(token_ids, dtype=torch.int64))
         return (input_ids, self._upload(positions), metas[0] if one_group else tuple(metas),
                 self._upload(sample_rows), sample_reqs)
