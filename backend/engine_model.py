@@ -77,9 +77,12 @@ class EngineModel:
         # Through the sender thread, which owns every call into Triton once it runs.
         max_model_len = self.engine.config.scheduler.max_model_len
         lora = self.engine.config.lora
+        speculative = self.engine.config.speculative_config
         self._worker.call(lambda: metrics.engine_ready(
             cache.block_size, cache.num_kv_blocks, max_model_len,
-            max_loras=lora.max_loras if lora.enable_lora else None))
+            max_loras=lora.max_loras if lora.enable_lora else None,
+            num_speculative_tokens=None if speculative is None
+            else speculative.num_speculative_tokens))
         self._ids = itertools.count()
         triton_io.log_info(f"{self.model_name}: engine ready in {time.monotonic() - started:.1f} s "
                            f"({engine_config.model or 'embedded SmolLM2-135M-Instruct'})")

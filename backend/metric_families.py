@@ -145,3 +145,14 @@ CACHE_CONFIG_INFO = Family("vllm:cache_config_info", GAUGE, "Information of the 
 # requests in flight. llm-d's endpoint picker reads the newest series for LoRA affinity.
 LORA_REQUESTS_INFO = Family("vllm:lora_requests_info", GAUGE, "Running stats on lora requests.")
 LORA_INFO_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+# speculative_config only, as vLLM registers them only then (its SpecDecodingProm,
+# vllm/v1/spec_decode/metrics.py): drafts verified, tokens drafted and accepted, and the
+# drafts whose token at each position was accepted (one series per position 0..k-1).
+SPEC_DECODE_FAMILIES = (
+    Family("vllm:spec_decode_num_drafts_total", COUNTER, "Number of spec decoding drafts."),
+    Family("vllm:spec_decode_num_draft_tokens_total", COUNTER, "Number of draft tokens."),
+    Family("vllm:spec_decode_num_accepted_tokens_total", COUNTER, "Number of accepted tokens."),
+)
+SPEC_DECODE_PER_POS = Family("vllm:spec_decode_num_accepted_tokens_per_pos_total", COUNTER,
+                             "Accepted tokens per draft position.", "position")

@@ -13,6 +13,7 @@ from typing import Any
 
 from backend.metric_families import (BY_NAME, CACHE_CONFIG_INFO, COUNTER, FAMILIES, GAUGE,
                                      LORA_REQUESTS_INFO, REQUEST_TOKENS, Family, token_buckets)
+from backend.spec_decode_metrics import SpecDecodeMetrics
 from backend.tenant_metrics import TenantMetrics
 
 # vllm:lora_requests_info keeps a series per label combination seen, as prometheus_client
@@ -94,7 +95,8 @@ class NullMetrics:
         pass
 
     def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int,
-                     max_loras: int | None = None) -> None:
+                     max_loras: int | None = None,
+                     num_speculative_tokens: int | None = None) -> None:
         pass
 
 
@@ -125,6 +127,7 @@ class TritonMetrics:
         self._max_loras = 0
         self._lora_series: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lora_last: tuple[tuple[str, str], float] | None = None
+        self._spec_decode: SpecDecodeMetrics | None = None  # speculative_config only
         self._tenants = TenantMetrics(self._kinds, self._labels)
 
     def _add(self, family: Family, buckets: list[float] | None = None,
@@ -146,10 +149,12 @@ class TritonMetrics:
         return series
 
     def engine_ready(self, block_size: int, num_gpu_blocks: int, max_model_len: int,
-                     max_loras: int | None = None) -> None:
+                     max_loras: int | None = None,
+                     num_speculative_tokens: int | None = None) -> None:
         """Once, when the engine is built: the pool's size and the context length (the
         token histograms' edges) are known only then. vLLM names the pool's block count
-        num_gpu_blocks whatever the device, so the label does too."""
+        num_gpu_blocks whatever the device, so the label does too. num_speculative_tokens:
+        speculative_config's (None: off), the spec-decode families' positions."""
         edges = token_buckets(max_model_len)
         for family in FAMILIES:
             if family.buckets == REQUEST_TOKENS:
@@ -164,6 +169,8 @@ class TritonMetrics:
             self._lora_family = self._kinds(name=LORA_REQUESTS_INFO.name,
                                             description=LORA_REQUESTS_INFO.description,
                                             kind=self._kinds.GAUGE)
+        if num_speculative_tokens is not None:
+            self._spec_decode = SpecDecodeMetrics(self._kinds, self._labels, num_speculative_tokens)
 
     def _one(self, name: str, value: str | None = None) -> Any:
         series = self._series[name]
@@ -231,6 +238,9 @@ class TritonMetrics:
                 for name, label_value in targets:
                     self._one(name, label_value).increment(value - self._last_counter[attr])
                 self._last_counter[attr] = value
+        spec = getattr(stats, "spec_decoding", None)
+        if spec is not None and self._spec_decode is not None:
+            self._spec_decode.record(spec)
 
     @staticmethod
     def _success_reason(request: FinishedRequest) -> str:

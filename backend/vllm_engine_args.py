@@ -30,6 +30,8 @@ RENAMED = {
     "enforce_eager": "enforce_eager",  # no CUDA graphs on a GPU
     "prefix_caching_hash_algo": "prefix_caching_hash_algo",  # vLLM's four, and builtin
     "kv_events_config": "kv_events_config",  # vLLM's KVEventsConfig fields
+    # ngram, suffix and draft_model, with vLLM's keys (engine/config/speculative.py)
+    "speculative_config": "speculative_config",
     "stream_interval": "stream_interval",  # vLLM >= 0.11; every engine model here
     # The adapters themselves: multi_lora.json beside model.json (backend/multi_lora.py).
     "enable_lora": "enable_lora",
@@ -93,7 +95,6 @@ UNSUPPORTED = {
     "kv_offloading_size": (None,),
     "enable_prompt_adapter": (False,),
     "enable_prompt_embeds": (False,),
-    "speculative_config": (None,),
     "kv_transfer_config": (None,),
     "revision": (None,),
     "code_revision": (None,),

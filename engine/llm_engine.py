@@ -28,6 +28,7 @@ from engine.pooling.outputs import PoolingRequestOutput
 from engine.pooling.params import PoolingParams
 from engine.sample.sampler import SamplingError
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.metrics import SpecDecodingStats
 from engine.startup import start_engine
 from engine.structured_output.waitlist import GrammarWaitlist
 
@@ -56,6 +57,8 @@ class EngineStats:
     tenant_waiting: dict[str, int] = field(default_factory=dict)
     tenant_tokens_served: dict[str, int] = field(default_factory=dict)
     kv_events_dropped_total: int = 0  # KV-event batches the publisher's full queue refused
+    # speculative_config only: the drafts' counters since start (vllm:spec_decode_*).
+    spec_decoding: SpecDecodingStats | None = None
 
 
 class EngineStepError(RuntimeError):
@@ -102,6 +105,7 @@ class LLMEngine:
         self._threads = parts.threads
         self._tensor_parallel = parts.tensor_parallel
         self.lora = parts.lora  # None unless enable_lora
+        self.speculator = parts.speculator  # None unless speculative_config
         self.eos_token_ids = tuple(parts.loaded.eos_token_ids)
         # Owns what each request is handed and when (output kind, stream_interval).
         self.output_processor = OutputProcessor(self.config.scheduler.stream_interval)
@@ -179,6 +183,8 @@ class LLMEngine:
         aborted += self._grammar_waitlist.abort(sequence_ids)
         for request in aborted:
             self.trace.finished(request, cancelled=True)
+        if self.speculator is not None:
+            self.speculator.finished(aborted)
         self._publish_kv_events()
         return self.output_processor.abort(aborted)
 
@@ -234,6 +240,9 @@ class LLMEngine:
         updated = self.scheduler.update_from_output(sched_out, result.sampled_token_ids)
         self.last_step_num_tokens = sched_out.total_num_scheduled_tokens + sum(
             1 for request in updated if request.num_output_tokens == 1)
+        if self.speculator is not None:
+            self.speculator.finished(updated)
+            self.speculator.propose(updated, len(self.scheduler.running))
         trace.requests_updated(updated)
         outputs = self.output_processor.process(updated, result.logprobs, result.prompt_logprobs)
         trace.step_ended(self.scheduler.num_preemptions_total)  # its time includes the outputs
@@ -295,6 +304,8 @@ class LLMEngine:
         failed = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         for request in failed:
             self.trace.finished(request)
+        if self.speculator is not None:
+            self.speculator.finished(failed)
         self.output_processor.forget(request_ids)
 
     def get_stats(self) -> EngineStats:
@@ -312,7 +323,9 @@ class LLMEngine:
                            waiting_lora_adapters=s.waiting_lora_adapters,
                            tenant_waiting=s.tenant_waiting,
                            tenant_tokens_served=s.tenant_tokens_served,
-                           kv_events_dropped_total=self.kv_events.dropped)
+                           kv_events_dropped_total=self.kv_events.dropped,
+                           spec_decoding=None if s.spec_decoding is None
+                           else s.spec_decoding.snapshot())
 
     def reset_prefix_cache(self) -> None:
         self.scheduler.kv_cache_manager.reset_prefix_cache()

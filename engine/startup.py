@@ -17,6 +17,8 @@ from engine.faults import FaultPlan
 from engine.metrics.trace import NullTrace, TraceRecorder
 from engine.models import load_model
 from engine.models.moe import ExpertLoad
+from engine.spec_decode.proposer import make_proposer
+from engine.spec_decode.speculator import Speculator
 from engine.structured_output.grammar import GrammarCompiler
 from engine.worker.cpu_threads import ThreadGovernor, configure_threads
 from engine.worker.kv_pool import kv_layout, resolve_kv_pool
@@ -38,6 +40,8 @@ class EngineParts:
     threads: ThreadGovernor | None
     tensor_parallel: Any  # engine.distributed.executor.TensorParallelExecutor or None
     lora: Any = None  # engine.lora.runtime.LoRARuntime when enable_lora
+    # engine.spec_decode.speculator.Speculator when speculative_config is set
+    speculator: Any = None
 
 
 def _check_model_supports(config: EngineConfig, loaded) -> None:
@@ -109,8 +113,14 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         if kv_events.enabled and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
                            "indexer cannot recompute these keys from tokens; use sha256_cbor")
+        spec = config.speculative_config
         scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events.enabled,
-                              lora_config=config.lora, kv_layout=layout)
+                              lora_config=config.lora, kv_layout=layout,
+                              num_spec_tokens=spec.num_speculative_tokens if spec else 0)
+        speculator = None
+        if spec is not None:
+            speculator = Speculator(spec, make_proposer(spec), sched_cfg.max_model_len)
+            runner.num_spec_tokens = spec.num_speculative_tokens
         warm_start = time.perf_counter()
         runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
                        sched_cfg.max_model_len)
@@ -141,7 +151,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                 cache_cfg.block_size, sched_cfg.max_model_len, detect_cpu().describe(),
                 loaded.load_seconds, warm_up_s)
     return EngineParts(config, loaded, runner, scheduler, grammar_compiler, trace, kv_events,
-                       threads, tensor_parallel, lora)
+                       threads, tensor_parallel, lora, speculator)
 
 
 def open_trace(config: EngineConfig, loaded, layout) -> TraceRecorder | NullTrace:

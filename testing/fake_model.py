@@ -4,7 +4,8 @@ It 'computes' KV by writing, into each slot, a fingerprint of the whole prefix u
 that token; before sampling it checks that every slot a request reads holds that
 request's own prefix. So a wrong prefix-cache hit, a block shared or freed too early,
 or stale KV after preemption shows up as an assertion, not as a silent pass. Sampled
-tokens are a pure function of the sequence so far, like greedy decoding.
+tokens are a pure function of the sequence so far, like greedy decoding; proposed tokens
+(speculative decoding) are verified as greedy decoding verifies them.
 
 With KV-cache groups (`windows`, one per group: None for full attention, else the window
 W), each group's table is written and read on its own, a slot remembering which group
@@ -46,7 +47,12 @@ class FakeModelRunner:
             start = end - n
             tables = out.block_ids[request.request_id]
             assert len(tables) == len(self.windows), "one block table per KV-cache group"
-            fingerprints = prefix_fingerprints(request.all_token_ids[:end])
+            # Speculative decoding: the proposed tokens follow the request's own, and the
+            # last n - 1 positions are theirs.
+            proposed = out.scheduled_spec_decode_tokens.get(request.request_id, [])
+            assert not proposed or len(proposed) == n - 1
+            tokens = request.all_token_ids + proposed
+            fingerprints = prefix_fingerprints(tokens[:end])
             for group, (window, block_ids) in enumerate(zip(self.windows, tables)):
                 assert len(block_ids) * bs >= end, "block table too short for scheduled tokens"
                 for pos in range(start, end):
@@ -57,7 +63,15 @@ class FakeModelRunner:
                     assert got == (group, fingerprints[pos]), (
                         f"{request.request_id}: KV at position {pos} (group {group}) is not "
                         f"this request's prefix")
-            if end >= request.num_tokens:
+            if proposed:  # greedy verification: the agreeing drafts, then one more
+                base = request.num_tokens
+                accepted = []
+                for j in range(len(proposed) + 1):
+                    accepted.append(next_token(tokens[:base + j], self.vocab_size))
+                    if j == len(proposed) or accepted[-1] != proposed[j]:
+                        break
+                sampled[request.request_id] = accepted
+            elif end >= request.num_tokens:
                 sampled[request.request_id] = [next_token(request.all_token_ids, self.vocab_size)]
         return sampled
 

@@ -1,6 +1,7 @@
 """A stand-in for the engine's scheduler around engine/output/output_processor.py: real
-Requests with the real detokenizer and stop checker, one scripted token per running
-sequence per step, so output handling is tested without a model."""
+Requests with the real detokenizer and stop checker, scripted tokens (one, or several as
+speculative decoding gives) per running sequence per step, so output handling is tested
+without a model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,12 @@ class Driver:
     """Adds requests as LLMEngine.add_request does and steps them as the scheduler does:
     one scripted token per running sequence, the stop checker deciding the end."""
 
-    def __init__(self, tokenizer, stream_interval: int = 1) -> None:
+    def __init__(self, tokenizer, stream_interval: int = 1, tokens_per_step: int = 1) -> None:
+        """`tokens_per_step` > 1: a step gives each sequence up to that many tokens, as a
+        step that accepts speculative drafts does (the runner's logprobs cover them all,
+        a stop drops the rest)."""
         self.tokenizer = tokenizer
+        self.tokens_per_step = tokens_per_step
         self.processor = OutputProcessor(stream_interval)
         self.running: list[Request] = []
         self.scripts: dict[str, list[int]] = {}
@@ -60,15 +65,19 @@ class Driver:
         self.steps += 1
         updated, logprobs = [], {}
         for request in list(self.running):
-            token = self.scripts[request.request_id][request.num_output_tokens]
-            request.all_token_ids.append(token)
-            stop = check_stop(request, token, max_model_len=4096)
-            if stop is not None:
-                request.status, request.stop_reason = stop.status, stop.stop_reason
-                request.finished_on_stop_token = stop.on_stop_token
-                self.running.remove(request)
+            script = self.scripts[request.request_id]
+            done = request.num_output_tokens
+            tokens = script[done:done + self.tokens_per_step]
+            logprobs[request.request_id] = [_Logprobs(-0.001 * t, {TOP: -9.0}, 2) for t in tokens]
+            for token in tokens:
+                request.all_token_ids.append(token)
+                stop = check_stop(request, token, max_model_len=4096)
+                if stop is not None:
+                    request.status, request.stop_reason = stop.status, stop.stop_reason
+                    request.finished_on_stop_token = stop.on_stop_token
+                    self.running.remove(request)
+                    break
             updated.append(request)
-            logprobs[request.request_id] = _Logprobs(-0.001 * token, {TOP: -9.0}, 2)
         return self.processor.process(updated, logprobs)
 
     def run(self) -> list[tuple[int, object]]:

@@ -76,7 +76,8 @@ def check_state(scheduler: Scheduler) -> None:
             assert len(set(held)) == len(held), "a block appears twice in one block table"
             assert len(blocks) == -(-request.num_computed_tokens // bs)
             owners.update(held)
-        assert request.num_computed_tokens <= request.num_tokens
+        # Scheduled drafts (speculative decoding) count as computed until verified.
+        assert request.num_computed_tokens <= request.num_tokens + len(request.spec_token_ids)
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0

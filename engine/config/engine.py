@@ -12,6 +12,7 @@ from engine.config.kv_events import KVEventsConfig
 from engine.config.lora import LoRAConfig
 from engine.config.runner import check_runner_args
 from engine.config.scheduler import SchedulerConfig
+from engine.config.speculative import SpeculativeConfig
 from engine.values import convert
 
 DTYPES = ("bfloat16", "float32", "float16", "auto")
@@ -88,6 +89,9 @@ class EngineConfig:
     convert: str = "auto"
     # vLLM <= 0.12's task, folded into runner/convert here ("embed", "score", ...).
     task: str | None = None
+    # vLLM's speculative_config (engine/config/speculative.py): a mapping or its JSON
+    # text, kept as a SpeculativeConfig; None: one token per request per step.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         self.runner, self.convert = check_runner_args(self.runner, self.convert, self.task)
@@ -121,6 +125,10 @@ class EngineConfig:
                              f"combined with tensor_parallel_size={self.tensor_parallel_size}")
         if self.batch_invariant:
             self._check_batch_invariant()
+        self.speculative_config = SpeculativeConfig.from_value("speculative_config",
+                                                               self.speculative_config)
+        if self.speculative_config is not None:
+            self.speculative_config.check_target(self.tensor_parallel_size)
 
     def _check_batch_invariant(self) -> None:
         # Tensor parallelism (an all-reduce in rank order) and LoRA (the native update's
@@ -159,6 +167,8 @@ class EngineConfig:
                 value = KVEventsConfig.from_value(f"engine argument {key!r}", raw)
             elif key == "override_generation_config":  # an object, or its JSON text
                 value = parse_override(f"engine argument {key!r}", raw)
+            elif key == "speculative_config":
+                value = SpeculativeConfig.from_value(key, raw)
             else:
                 value = convert(f"engine argument {key!r}", raw, str(f.type))
             (nested[section] if section else top)[key] = value

@@ -3,11 +3,10 @@ publishes them)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Any
 
-from engine.values import NULL_WORDS, convert
+from engine.config.json_section import section_from_value
 
 PUBLISHERS = ("null", "zmq")
 
@@ -103,23 +102,7 @@ class KVEventsConfig:
     @classmethod
     def from_value(cls, name: str, value: Any) -> "KVEventsConfig | None":
         """A mapping (model.json) or its JSON text (a config.pbtxt parameter, a CLI flag)."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            if value.strip().lower() in NULL_WORDS:
-                return None
-            try:
-                value = json.loads(value)
-            except ValueError:
-                raise ValueError(f"{name} must be a JSON object, got {value[:80]!r}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"{name}: unknown field(s) {unknown}; known: {sorted(known)}")
-        return cls(**{key: convert(f"{name}.{key}", raw, str(known[key].type))
-                      for key, raw in value.items()})
+        return section_from_value(cls, name, value)
 
 
 def binds(endpoint: str) -> bool:

@@ -45,7 +45,7 @@ class Request:
                  "cache_salt", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_cached_tokens", "status", "num_preemptions", "stop_reason",
                  "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens",
-                 "grammar", "resumed_at_step", "lora_request", "tenant")
+                 "grammar", "resumed_at_step", "lora_request", "tenant", "spec_token_ids")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
@@ -98,6 +98,9 @@ class Request:
         self.max_tokens = self.sampling_params.max_tokens
         # Set by the engine for a structured_outputs request; stop_checker advances it.
         self.grammar: RequestGrammar | None = None
+        # Speculative decoding: tokens proposed after all_token_ids, to be verified by the
+        # next step that schedules this request (engine/spec_decode/); never part of it.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.request import Request
+from engine.spec_decode.metrics import SpecDecodingStats
 
 
 @dataclass(slots=True)
@@ -23,6 +24,9 @@ class SchedulerOutput:
     # vLLM's meaning: preempted in this step (blocks freed, back to WAITING); a request
     # may be preempted and readmitted across steps, never within one.
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Speculative decoding: each drafting request's proposed tokens this step verifies
+    # (its last num_scheduled_tokens - 1 positions are them); absent: none proposed.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -43,3 +47,5 @@ class SchedulerStats:
     # and tokens computed per tenant since start (engine/core/fair_share.py caps the names).
     tenant_tokens_served: dict[str, int] = field(default_factory=dict)
     tenant_waiting: dict[str, int] = field(default_factory=dict)
+    # Speculative decoding on: its counters (live; the engine hands out a snapshot).
+    spec_decoding: SpecDecodingStats | None = None

@@ -20,6 +20,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.request_queue import make_request_queue
 from engine.core.sched_output import SchedulerOutput, SchedulerStats
 from engine.core.stop_checker import check_stop
+from engine.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -51,9 +52,10 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  enable_kv_events: bool = False, lora_config: LoRAConfig | None = None,
-                 kv_layout: KVCacheLayout | None = None) -> None:
+                 kv_layout: KVCacheLayout | None = None, num_spec_tokens: int = 0) -> None:
         """`kv_layout`: the model's KV-cache groups (engine/core/kv_cache/groups.py); None:
-        one full-attention group."""
+        one full-attention group. `num_spec_tokens`: speculative decoding's
+        num_speculative_tokens (0: off), for its counters."""
         if cache_config.num_kv_blocks is None:
             raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -80,6 +82,7 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.generation_tokens_total = 0
         self.num_steps = 0
+        self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
 
     # ---- requests in and out -------------------------------------------------
     def check_new_request(self, request_id: str, num_prompt_tokens: int) -> None:
@@ -149,7 +152,9 @@ class Scheduler:
         while i < len(running) and token_budget > 0:
             request = running[i]
             remaining = request.num_tokens - request.num_computed_tokens
-            num_new = remaining
+            # Proposed tokens ride along (vLLM's num_tokens_with_spec); they are what a cut
+            # below takes first.
+            num_new = remaining + len(request.spec_token_ids)
             if prefills is not None and remaining > 1:
                 if not prefills.admits(remaining):
                     i += 1  # keeps its blocks; resumes when a prefill slot frees up
@@ -181,6 +186,8 @@ class Scheduler:
                 break
             if prefills is not None and remaining > 1:
                 prefills.take(remaining)
+            if request.spec_token_ids:
+                del request.spec_token_ids[max(num_new - remaining, 0):]
             num_scheduled[request.request_id] = num_new
             scheduled_running.append(request)
             token_budget -= num_new
@@ -216,6 +223,8 @@ class Scheduler:
             block_ids=block_ids,
             finished_req_ids=self.finished_req_ids,
             preempted_req_ids={r.request_id for r in preempted},
+            scheduled_spec_decode_tokens={r.request_id: r.spec_token_ids
+                                          for r in scheduled_running if r.spec_token_ids},
         )
         self.finished_req_ids = set()
         return out
@@ -302,6 +311,7 @@ class Scheduler:
         # Progress is only committed at the end of schedule(), so num_computed_tokens
         # here counts exactly the tokens whose KV exists.
         self.kv_cache_manager.free(request, num_valid_tokens=request.num_computed_tokens)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -321,10 +331,14 @@ class Scheduler:
         the requests that got tokens, finished ones included."""
         updated: list[Request] = []
         max_model_len = self.config.max_model_len
+        drafts = scheduler_output.scheduled_spec_decode_tokens
         for request in scheduler_output.scheduled_requests:
             if request.status != RequestStatus.RUNNING:
                 continue  # aborted between schedule() and now
             new_ids = sampled_token_ids.get(request.request_id)
+            if drafts and request.request_id in drafts:
+                self._settle_draft(request, len(drafts[request.request_id]),
+                                   len(new_ids) - 1 if new_ids else 0)
             if not new_ids:
                 continue
             updated.append(request)
@@ -341,6 +355,17 @@ class Scheduler:
                     break
         return updated
 
+    def _settle_draft(self, request: Request, num_draft: int, num_accepted: int) -> None:
+        """A verified draft: the rejected tokens' K/V is given back (their positions are
+        computed again, the blocks past the accepted ones are freed; none of them was ever
+        hashed, since only tokens in all_token_ids are), so the request stands as if it
+        had never proposed them."""
+        request.num_computed_tokens -= num_draft - num_accepted
+        request.spec_token_ids = []
+        self.kv_cache_manager.trim(request, request.num_computed_tokens)
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_draft, num_accepted)
+
     def retry_sampling(self, requests: list[Request]) -> None:
         """A step computed these requests' tokens but sampled none: step back one token
         for those due a sample, so the next schedule() recomputes the last token (its K/V
@@ -350,6 +375,9 @@ class Scheduler:
             if (request.status == RequestStatus.RUNNING
                     and request.num_computed_tokens >= request.num_tokens):
                 request.num_computed_tokens = request.num_tokens - 1
+                if request.spec_token_ids:
+                    request.spec_token_ids = []
+                    self.kv_cache_manager.trim(request, request.num_computed_tokens)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
@@ -360,6 +388,7 @@ class Scheduler:
             prefix_cache_hits=kv.prefix_cache_stats.hits,
             num_preemptions_total=self.num_preemptions_total,
             generation_tokens_total=self.generation_tokens_total,
+            spec_decoding=self.spec_stats,
             **(self._lora_counts() if self.max_loras is not None else {}),
             **({} if self.fair is None else {
                 "tenant_waiting": self.waiting.waiting_by_tenant(),

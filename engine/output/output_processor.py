@@ -133,8 +133,8 @@ class OutputProcessor:
     def process(self, updated: Iterable[Request], logprobs: Mapping[str, Any],
                 prompt: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """The outputs due after a step; `updated`: the requests that got tokens in it,
-        `logprobs`: the runner's TokenLogprobs by request id, `prompt`: the prompt
-        logprobs the step completed (engine/sample/prompt_logprobs.py), by request id."""
+        `logprobs`: the runner's TokenLogprobs by request id, one per new token, `prompt`:
+        the prompt logprobs the step completed (engine/sample/prompt_logprobs.py), by request id."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         prompt = prompt or {}
@@ -143,10 +143,13 @@ class OutputProcessor:
             seq = self._sequences[rid]
             if rid in prompt:
                 seq.prompt_logprobs = prompt_position_logprobs(prompt[rid])
-            lp = logprobs.get(rid)
-            if lp is not None and seq.logprobs is not None:
-                seq.cumulative_logprob += lp.sampled
-                seq.logprobs.append(position_logprobs(request.all_token_ids[-1], lp))
+            lps = logprobs.get(rid)
+            if lps is not None and seq.logprobs is not None:
+                # One per new token; a stop may have dropped the step's later ones.
+                ids, base = request.all_token_ids, request.num_prompt_tokens
+                for lp in lps[:len(ids) - base - len(seq.logprobs)]:
+                    seq.cumulative_logprob += lp.sampled
+                    seq.logprobs.append(position_logprobs(ids[base + len(seq.logprobs)], lp))
             seq.client.sampled(now)
             if request.is_finished:
                 del self._sequences[rid]
@@ -185,7 +188,10 @@ class OutputProcessor:
         logprobs = seq.logprobs
         delta_logprobs = None if logprobs is None else logprobs[start:end]
         if seq.client.kind is CUMULATIVE:
-            text, token_ids = detokenizer.output_text, request.output_token_ids
+            # What is released so far: a step that gave several tokens (speculative
+            # decoding) may end in one whose text is still held.
+            text, token_ids = detokenizer.output_text, request.all_token_ids[base:base + end]
+            logprobs = None if logprobs is None else logprobs[:end]
         else:  # DELTA, or FINAL_ONLY's one output, whose delta is all of it
             text, token_ids, logprobs = delta_text, delta_ids, delta_logprobs
         completion = CompletionOutput(

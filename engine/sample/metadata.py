@@ -8,6 +8,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from engine.structured_output.bitmask import BitmaskFiller
 from engine.core.request import Request
+from engine.sample.draft_rows import DraftPosition
 from engine.structured_output.grammar import RequestGrammar
 
 # Below this a temperature is treated as greedy: dividing by it would overflow the logits.
@@ -59,7 +60,10 @@ class SamplerState:
             self.prompt_ids[request.request_id] = ids
         return ids
 
-    def output_tensor(self, request: Request) -> torch.Tensor:
+    def output_tensor(self, request: Request | DraftPosition) -> torch.Tensor:
+        if isinstance(request, DraftPosition):  # the request's output, then its drafts so far
+            return torch.cat((self.output_tensor(request.request),
+                              torch.tensor(request.prefix, dtype=torch.long)))
         ids = self.output_ids.get(request.request_id)
         if ids is None:
             ids = self.output_ids[request.request_id] = _GrowingTokenIds()
@@ -118,9 +122,11 @@ class SamplingMetadata:
     grammar_bitmask: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, requests: list[Request], vocab_size: int, device: torch.device | str,
-              state: SamplerState | None = None) -> "SamplingMetadata":
-        """Rows in the order of `requests`. Pass the sampler's `state` to reuse cached token tensors."""
+    def build(cls, requests: list[Request | DraftPosition], vocab_size: int,
+              device: torch.device | str, state: SamplerState | None = None
+              ) -> "SamplingMetadata":
+        """Rows in the order of `requests` (a drafting request's later rows are
+        DraftPositions). Pass the sampler's `state` to reuse cached token tensors."""
         state = state if state is not None else SamplerState()
         n = len(requests)
         temps: list[float] = []
@@ -135,6 +141,8 @@ class SamplingMetadata:
         max_logprobs: int | None = None
         grammar_rows: list[int] = []
         grammars: list[RequestGrammar] = []
+        # Per grammar row, the drafts its matcher must accept first (None: none).
+        grammar_prefixes: list[list[int] | None] = []
         any_random = any_greedy = use_top_k = use_top_p = use_min_p = False
 
         for row, req in enumerate(requests):
@@ -163,6 +171,7 @@ class SamplingMetadata:
                 # its EOS, once the only token it allows, would leave nothing to sample.
                 grammar_rows.append(row)
                 grammars.append(req.grammar)
+                grammar_prefixes.append(req.prefix if isinstance(req, DraftPosition) else None)
             elif p.min_tokens and req.num_output_tokens < p.min_tokens:
                 for tok in req.stop_token_ids:
                     if 0 <= tok < vocab_size:
@@ -171,8 +180,8 @@ class SamplingMetadata:
 
         all_greedy = not any_random
         argmax_only = all_greedy and not penalty_rows and not mask_rows and max_logprobs is None
-        bitmask = (state.bitmask_filler.fill(grammars, grammar_rows, n, vocab_size)
-                   if grammars else None)
+        bitmask = (state.bitmask_filler.fill(grammars, grammar_rows, n, vocab_size,
+                                             grammar_prefixes) if grammars else None)
         grammar = dict(grammar_rows=grammar_rows or None, grammar_bitmask=bitmask)
         if argmax_only:
             return cls(n, vocab_size, list(requests), True, True, None, None, None, None, None, [],

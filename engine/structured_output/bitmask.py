@@ -22,13 +22,25 @@ class BitmaskFiller:
         self._batch: Any = None
 
     def fill(self, grammars: list[RequestGrammar], rows: list[int], num_rows: int,
-             vocab_size: int) -> torch.Tensor:
-        """int32 [num_rows, ceil(vocab/32)]; `rows` are filled (row i for grammars[i])."""
+             vocab_size: int, prefixes: list[list[int] | None] | None = None) -> torch.Tensor:
+        """int32 [num_rows, ceil(vocab/32)]; `rows` are filled (row i for grammars[i]).
+        prefixes[i]: tokens grammars[i] accepts before row i is filled and gives back
+        after (a speculative draft's row, engine/sample/draft_rows.py); None: none."""
         xgrammar = import_xgrammar()
         if self._batch is None:
             self._batch = xgrammar.BatchGrammarMatcher(1)
         bitmask = xgrammar.allocate_token_bitmask(num_rows, vocab_size)
-        self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask, rows)
+        if prefixes is None or not any(prefixes):
+            self._batch.batch_fill_next_token_bitmask([g.matcher for g in grammars], bitmask,
+                                                      rows)
+            return bitmask
+        plain = [i for i, prefix in enumerate(prefixes) if not prefix]
+        if plain:
+            self._batch.batch_fill_next_token_bitmask([grammars[i].matcher for i in plain],
+                                                      bitmask, [rows[i] for i in plain])
+        for grammar, row, prefix in zip(grammars, rows, prefixes):
+            if prefix:
+                grammar.fill_after(prefix, bitmask, row)
         return bitmask
 
 

@@ -59,6 +59,37 @@ class RequestGrammar:
     def accept(self, token_id: int) -> bool:
         return self.matcher.accept_token(token_id)
 
+    def accepted_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids` the grammar accepts in a row from here, short of the
+        stop token that would complete it (no position follows that one: the target's
+        own sample there proposes it); the matcher is left where it was (a speculative
+        draft is cut there)."""
+        matcher = self.matcher
+        accepted = count = 0
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                break
+            accepted += 1
+            if matcher.is_terminated():
+                break
+            count += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return count
+
+    def fill_after(self, token_ids: list[int], bitmask: Any, row: int) -> None:
+        """Row `row` of `bitmask`: the tokens allowed after `token_ids` (which the grammar
+        accepts: drafts are cut by accepted_prefix); the matcher is left where it was."""
+        matcher = self.matcher
+        accepted = 0
+        for token_id in token_ids:
+            if not matcher.accept_token(token_id):
+                break
+            accepted += 1
+        matcher.fill_next_token_bitmask(bitmask, row)
+        if accepted:
+            matcher.rollback(accepted)
+
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token (the model's EOS) was accepted."""

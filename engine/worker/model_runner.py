@@ -25,6 +25,8 @@ from engine.models.layers import Linear
 from engine.models.loader import LoadedModel
 from engine.sample.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker,
                                            StepPromptRows, for_each_slice)
+from engine.sample.draft_rows import expand_rows
+from engine.sample.rejection import accept_one_hot
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.worker import host_memory
@@ -46,8 +48,11 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class RunnerOutput:
+    # Per request its new tokens: one, or with speculative decoding the accepted drafts
+    # and one more (engine/sample/rejection.py).
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, TokenLogprobs]
+    # Per request asking for logprobs, one entry per new token.
+    logprobs: dict[str, list[TokenLogprobs]]
     # SamplingParams.prompt_logprobs completed in the step, by request id
     # (engine/sample/prompt_logprobs.py): handed over once, with the first sampled token.
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
@@ -127,6 +132,9 @@ class ModelRunner:
         self.lora = lora
         # SamplingParams.prompt_logprobs: per request, the prompt rows computed so far.
         self.prompt_logprobs = PromptLogprobsTracker()
+        # Speculative decoding's num_speculative_tokens (set at start-up; 0: off): a
+        # drafting request samples up to this many rows more.
+        self.num_spec_tokens = 0
 
     def use_decode_graphs(self, max_num_seqs: int, max_model_len: int, capture: bool) -> None:
         """Decode-only steps run through DecodeGraphs: captured CUDA graphs when `capture`
@@ -164,24 +172,40 @@ class ModelRunner:
         logits = self.forward(inputs, prompt_rows)
         if logits is None:
             return RunnerOutput({}, {})
-        metadata = self.sampler.prepare(sample_reqs, self.vocab_size, self.device)
+        drafts = out.scheduled_spec_decode_tokens
+        metadata = self.sampler.prepare(expand_rows(sample_reqs, drafts), self.vocab_size,
+                                        self.device)
         result = self.sampler(logits, metadata)
         token_ids = result.sampled_token_ids.tolist()
-        sampled = {r.request_id: [t] for r, t in zip(sample_reqs, token_ids)}
+        # Per request, its new tokens and the row of its first one.
+        sampled: dict[str, list[int]] = {}
+        first_rows: list[int] = []
+        row = 0
+        for request in sample_reqs:
+            proposed = drafts.get(request.request_id) if drafts else None
+            first_rows.append(row)
+            if proposed:
+                sampled[request.request_id] = accept_one_hot(token_ids, row, proposed)
+                row += len(proposed) + 1
+            else:
+                sampled[request.request_id] = [token_ids[row]]
+                row += 1
         # Only once sampling succeeded: a failed step's requests sample again later.
         prompt_logprobs = self.prompt_logprobs.take_completed(sample_reqs)
-        logprobs: dict[str, TokenLogprobs] = {}
+        logprobs: dict[str, list[TokenLogprobs]] = {}
         if result.sampled_logprobs is not None:
             chosen = result.sampled_logprobs.tolist()
             ranks = result.sampled_ranks.tolist()
             top_ids = result.topk_token_ids.tolist() if result.topk_token_ids is not None else None
             top_vals = result.topk_logprobs.tolist() if result.topk_logprobs is not None else None
-            for row, request in enumerate(sample_reqs):
+            for first, request in zip(first_rows, sample_reqs):
                 k = request.sampling_params.logprobs
                 if k is None:
                     continue
-                top = dict(zip(top_ids[row][:k], top_vals[row][:k])) if top_ids and k else {}
-                logprobs[request.request_id] = TokenLogprobs(chosen[row], top, ranks[row])
+                rows = range(first, first + len(sampled[request.request_id]))
+                logprobs[request.request_id] = [TokenLogprobs(
+                    chosen[r], dict(zip(top_ids[r][:k], top_vals[r][:k])) if top_ids and k
+                    else {}, ranks[r]) for r in rows]
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
 
     def forward(self, inputs: StepInputs, prompt_rows: StepPromptRows | None = None
@@ -231,11 +255,17 @@ class ModelRunner:
         tables: list[list[int]] = []
         group_tables = [tables] if one_group else [[] for _ in range(self.num_groups)]
         sample_reqs: list[Request] = []
-        sample_flags: list[bool] = []
+        # Per request, how many of its last rows are sampled: 1, or with k drafts k + 1.
+        sample_counts: list[int] = []
+        drafts = out.scheduled_spec_decode_tokens
         for request in requests:
             n = num_scheduled[request.request_id]
             end = request.num_computed_tokens  # already counts this step's tokens
-            if n == 1:
+            proposed = drafts.get(request.request_id) if drafts else None
+            if proposed:  # the last n - len(proposed) known tokens, then the drafts
+                token_ids.extend(request.all_token_ids[end - n:end - len(proposed)])
+                token_ids.extend(proposed)
+            elif n == 1:
                 token_ids.append(request.all_token_ids[end - 1])
             else:
                 token_ids.extend(request.all_token_ids[end - n:end])
@@ -247,7 +277,7 @@ class ModelRunner:
                 for group, table in zip(group_tables, block_ids[request.request_id]):
                     group.append(table)
             done = end >= request.num_tokens
-            sample_flags.append(done)
+            sample_counts.append(len(proposed) + 1 if proposed else int(done))
             if done:
                 sample_reqs.append(request)
 
@@ -276,7 +306,13 @@ class ModelRunner:
                     torch.arange(num_seqs, device=device), sample_reqs)
         positions, qsl, metas = chunk_inputs(query_lens, seq_lens, block_tables, bs,
                                              self._upload)
-        sample_rows = (qsl[1:] - 1)[torch.tensor(sample_flags, dtype=torch.bool)]
+        counts = torch.tensor(sample_counts, dtype=torch.int64)
+        if drafts:  # a drafting request samples its last k + 1 rows
+            ends = torch.repeat_interleave(qsl[1:], counts)
+            back = torch.cat([torch.arange(c, 0, -1) for c in sample_counts if c])
+            sample_rows = ends - back
+        else:
+            sample_rows = (qsl[1:] - 1)[counts.bool()]
         input_ids = self._upload(torch.tensor(token_ids, dtype=torch.int64))
         return (input_ids, self._upload(positions), metas[0] if one_group else tuple(metas),
                 self._upload(sample_rows), sample_reqs)
@@ -289,12 +325,13 @@ class ModelRunner:
     def build_matmul_primitives(self, max_num_tokens: int, max_num_seqs: int) -> int:
         """oneDNN's primitive for every row count a step can give each prepacked matmul
         (dispatch.build_matmul_primitives): the layers see up to a step's tokens, the
-        lm_head one row per sequence sampled."""
+        lm_head one row per sequence sampled (k + 1 for a drafting one)."""
         weights = [(module.prepared, max_num_tokens) for module in self.model.modules()
                    if isinstance(module, Linear) and module.prepared is not None]
         lm_head = getattr(self.model, "lm_head_prepared", None)
         if lm_head is not None:
-            weights.append((lm_head, max_num_seqs))
+            weights.append((lm_head, min(max_num_tokens,
+                                         max_num_seqs * (1 + self.num_spec_tokens))))
         return dispatch.build_matmul_primitives(weights)
 
     def warm_up(self, max_num_tokens: int, max_num_seqs: int, max_model_len: int) -> None:

@@ -7,9 +7,16 @@ Every `vllm:` family we export must be one of vLLM's with its exposed name (coun
 `_total`), kind, label names and bucket edges, or one of vllm_backend's (its
 src/utils/metrics.py at 8de0c14 in triton-inference-server/vllm_backend). The families
 of vLLM's we do not export are an explained allow-list, so a family vLLM adds, or one we
-drop, fails here."""
+drop, fails here.
+
+A second model on the same server, `llm` with a speculative_config, holds vLLM's
+spec-decode families (registered only when speculation is on, as vLLM's SpecDecodingProm
+does) against vLLM's logger built with the same speculative_config: names, kinds, labels,
+descriptions and the per-position series."""
 from __future__ import annotations
 
+import json
+import re
 import time
 
 import pytest
@@ -25,6 +32,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = "llm"
 MAX_TOKENS = 8
+# The same tiny model with n-gram speculation; its spec-decode families are vLLM's.
+SPEC_MODEL = "llm_spec"
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4,
+               "prompt_lookup_min": 2}
 # vllm_backend's labels, on every series beside vLLM's.
 VLLM_BACKEND_LABELS = {"model", "version"}
 # vllm_backend's family under a name vLLM 0.32 does not register (its inter-token latency).
@@ -53,13 +64,17 @@ INFO_GAUGES = {"vllm:cache_config_info": {"block_size", "num_gpu_blocks", "engin
 VLLM_REGISTRY = r"""
 import json, sys
 from prometheus_client import REGISTRY, generate_latest
-from vllm.config import ModelConfig, VllmConfig
+from vllm.config import ModelConfig, ParallelConfig, SpeculativeConfig, VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger
 
 args = json.load(sys.stdin)
 model = ModelConfig(model=args["model"], skip_tokenizer_init=True,
                     max_model_len=args["max_model_len"], served_model_name=args["name"])
-logger = PrometheusStatLogger(VllmConfig(model_config=model), engine_indexes=[0])
+# With a speculative_config its SpecDecodingProm registers vllm:spec_decode_*.
+speculative = SpeculativeConfig(**args["speculative_config"], target_model_config=model,
+                                target_parallel_config=ParallelConfig())
+logger = PrometheusStatLogger(VllmConfig(model_config=model, speculative_config=speculative),
+                              engine_indexes=[0])
 logger.log_engine_initialized()  # registers vllm:cache_config_info
 print(json.dumps(generate_latest(REGISTRY).decode()))
 """
@@ -73,10 +88,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def vllm_families(vllm_side, tiny_model_dir):
-    text = vllm_side.run(VLLM_REGISTRY, {"model": str(tiny_model_dir), "name": MODEL,
-                                         "max_model_len": int(TINY_ENGINE_ARGS["max_model_len"])})
-    families = parse_exposition(text)
+def vllm_text(vllm_side, tiny_model_dir):
+    return vllm_side.run(VLLM_REGISTRY, {"model": str(tiny_model_dir), "name": MODEL,
+                                         "max_model_len": int(TINY_ENGINE_ARGS["max_model_len"]),
+                                         "speculative_config": SPECULATIVE})
+
+
+@pytest.fixture(scope="module")
+def vllm_families(vllm_text):
+    families = parse_exposition(vllm_text)
     # prometheus_client writes each counter's and histogram's creation time as a gauge
     # `<name>_created`: a timestamp of the client library, no metric of vLLM's.
     created = {f"{name.removesuffix('_total')}_created" for name, f in families.items()
@@ -87,22 +107,33 @@ def vllm_families(vllm_side, tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def our_families(tmp_path_factory, tiny_model_dir):
-    """What our server exposes once one request finished (finish_reason length)."""
+def our_text(tmp_path_factory, tiny_model_dir):
+    """What our server exposes once one request to MODEL finished (finish_reason length);
+    SPEC_MODEL, loaded beside it, adds the spec-decode families."""
     work = tmp_path_factory.mktemp("triton-metrics")
+    tiny = {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS}
     repo = copy_repository(REPO_ROOT / "model_repository", work / "models", models=[MODEL],
-                           params={MODEL: {"model": str(tiny_model_dir), **TINY_ENGINE_ARGS}})
-    with running_server(repo, work, load=[MODEL]) as handle:
+                           renames={SPEC_MODEL: MODEL},
+                           params={MODEL: tiny, SPEC_MODEL: {
+                               **tiny, "speculative_config": json.dumps(SPECULATIVE)}})
+    with running_server(repo, work, load=[MODEL, SPEC_MODEL]) as handle:
         infer_many(handle.grpc_url, MODEL, [llm_inputs(
             "The capital of France is", {"temperature": 0, "max_tokens": MAX_TOKENS,
                                          "min_tokens": MAX_TOKENS})])
         deadline = time.monotonic() + 20
         while True:  # the sender thread records after the response went out
-            families = parse_exposition(requests.get(handle.metrics_url, timeout=10).text)
-            success = families.get("vllm:request_success_total")
-            if (success is not None and success.value() >= 1) or time.monotonic() > deadline:
-                return {name: f for name, f in families.items() if name.startswith("vllm:")}
+            text = requests.get(handle.metrics_url, timeout=10).text
+            success = parse_exposition(text).get("vllm:request_success_total")
+            if (success is not None and success.value(model=MODEL) >= 1
+                    or time.monotonic() > deadline):
+                return text
             time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def our_families(our_text):
+    """Both models' families (SPEC_MODEL's spec-decode ones included)."""
+    return {name: f for name, f in parse_exposition(our_text).items() if name.startswith("vllm:")}
 
 
 def test_every_vllm_family_we_export_is_vllms(vllm_families, our_families):
@@ -139,7 +170,7 @@ def test_the_vllm_families_we_do_not_export_are_the_explained_ones(vllm_families
 def test_the_families_carry_the_request(our_families):
     """The request's figures landed where vLLM puts them (one request, 8 tokens)."""
     def value(name, suffix="", **labels):
-        return our_families[name].value(suffix, **labels)
+        return our_families[name].value(suffix, model=MODEL, **labels)
 
     assert value("vllm:request_success_total", finished_reason="length") == 1
     assert value("vllm:request_success_total") == 1
@@ -165,3 +196,31 @@ def test_the_families_carry_the_request(our_families):
     assert value("vllm:engine_sleep_state", sleep_state="awake") == 1
     assert value("vllm:cache_config_info", block_size=TINY_ENGINE_ARGS["block_size"],
                  num_gpu_blocks=TINY_ENGINE_ARGS["num_kv_blocks"]) == 1
+
+
+def _help(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^# HELP (\S+) (.*)$", text, re.MULTILINE))
+
+
+def _positions(family) -> list[str]:
+    """The `position` label of each of the family's series ("" without one)."""
+    return sorted(dict(key).get("position", "") for (sample, key) in family.samples
+                  if sample == family.name)
+
+
+def test_the_spec_decode_families_are_vllms_and_only_where_speculation_is_on(
+        vllm_text, vllm_families, our_text, our_families):
+    names = {name for name in vllm_families if name.startswith("vllm:spec_decode_")}
+    assert names == {"vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                     "vllm:spec_decode_num_accepted_tokens_total",
+                     "vllm:spec_decode_num_accepted_tokens_per_pos_total"}
+    assert names <= set(our_families)  # kinds and labels: test_every_vllm_family_we_export_is_vllms
+    ours, theirs = _help(our_text), _help(vllm_text)
+    for name in names:
+        assert ours[name] == theirs[name], name
+        # Only the speculating model has series, one per position as vLLM's.
+        models = {dict(key)["model"] for (_, key) in our_families[name].samples}
+        assert models == {SPEC_MODEL}, name
+        assert _positions(our_families[name]) == _positions(vllm_families[name]), name
+    per_pos = our_families["vllm:spec_decode_num_accepted_tokens_per_pos_total"]
+    assert _positions(per_pos) == [str(p) for p in range(SPECULATIVE["num_speculative_tokens"])]

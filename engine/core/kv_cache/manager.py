@@ -244,5 +244,19 @@ class KVCacheManager:
             else:
                 pool.free_blocks(b for b in reversed(blocks) if b is not NULL_BLOCK)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free every group's blocks past those covering the first `num_tokens` tokens:
+        what a rejected draft had taken. They hold no hash: a block is registered only
+        once all its tokens are in all_token_ids, and drafts never are."""
+        tables = self.req_to_blocks.get(request.request_id)
+        keep = -(-num_tokens // self.block_size)
+        if tables is None or len(tables[0]) <= keep:
+            return
+        pool = self.block_pool
+        for blocks, ids in zip(tables, self.req_to_block_ids[request.request_id]):
+            tail = blocks[keep:]
+            del blocks[keep:], ids[keep:]
+            pool.free_blocks(b for b in reversed(tail) if b is not NULL_BLOCK)
+
     def reset_prefix_cache(self) -> None:
         self.block_pool.reset_prefix_cache()

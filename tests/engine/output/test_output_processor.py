@@ -33,11 +33,13 @@ def scripts_for(tokenizer, n):
     return scripts
 
 
+@pytest.mark.parametrize("per_step", [1, 3])
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("interval", [1, 3, 8])
 @pytest.mark.parametrize("kind", [CUMULATIVE, DELTA, FINAL_ONLY])
-def test_every_token_text_and_logprob_is_handed_out_once(tokenizer, kind, interval, n):
-    driver = Driver(tokenizer, interval)
+def test_every_token_text_and_logprob_is_handed_out_once(tokenizer, kind, interval, n, per_step):
+    """per_step 3: steps give several tokens at once (accepted speculative drafts)."""
+    driver = Driver(tokenizer, interval, tokens_per_step=per_step)
     params = SamplingParams(n=n, logprobs=1, max_tokens=None, output_kind=kind)
     requests = driver.add("r", params, scripts_for(tokenizer, n))
     outs = driver.run()
