@@ -17,6 +17,7 @@ from engine.faults import FaultPlan
 from engine.metrics.trace import NullTrace, TraceRecorder
 from engine.models import load_model
 from engine.models.moe import ExpertLoad
+from engine.spec_decode.draft_model import draft_block_bytes, load_draft
 from engine.spec_decode.proposer import make_proposer
 from engine.spec_decode.speculator import Speculator
 from engine.structured_output.grammar import GrammarCompiler
@@ -87,7 +88,15 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         if layout.has_window or layout.num_groups > 1:
             logger.info("KV cache: %d group(s) of %d layer(s), windows %s", layout.num_groups,
                         layout.group_size, list(layout.windows))
-        config = resolve_kv_pool(config, loaded, layout)
+        spec = config.speculative_config
+        draft = None
+        if spec is not None and spec.method == "draft_model":
+            draft = _load_draft(config, loaded, layout)
+        config = resolve_kv_pool(
+            config, loaded, layout,
+            draft_block_bytes=0 if draft is None else draft_block_bytes(draft,
+                                                                       config.cache.block_size),
+            num_lookahead_tokens=0 if draft is None else spec.num_speculative_tokens)
         sched_cfg, cache_cfg = config.scheduler, config.cache
         send_step = None
         if tensor_parallel is not None:
@@ -113,13 +122,18 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         if kv_events.enabled and cache_cfg.prefix_caching_hash_algo == "builtin":
             logger.warning("KV-cache events are on with prefix_caching_hash_algo=builtin: an "
                            "indexer cannot recompute these keys from tokens; use sha256_cbor")
-        spec = config.speculative_config
         scheduler = Scheduler(sched_cfg, cache_cfg, enable_kv_events=kv_events.enabled,
                               lora_config=config.lora, kv_layout=layout,
-                              num_spec_tokens=spec.num_speculative_tokens if spec else 0)
+                              num_spec_tokens=spec.num_speculative_tokens if spec else 0,
+                              num_lookahead_tokens=0 if draft is None
+                              else spec.num_speculative_tokens)
         speculator = None
         if spec is not None:
-            speculator = Speculator(spec, make_proposer(spec), sched_cfg.max_model_len)
+            tables = scheduler.kv_cache_manager.req_to_block_ids
+            proposer = make_proposer(spec, draft=draft, num_kv_blocks=cache_cfg.num_kv_blocks,
+                                     block_size=cache_cfg.block_size,
+                                     block_table=lambda request_id: tables[request_id][0])
+            speculator = Speculator(spec, proposer, sched_cfg.max_model_len)
             runner.num_spec_tokens = spec.num_speculative_tokens
         warm_start = time.perf_counter()
         runner.warm_up(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs,
@@ -152,6 +166,17 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
                 loaded.load_seconds, warm_up_s)
     return EngineParts(config, loaded, runner, scheduler, grammar_compiler, trace, kv_events,
                        threads, tensor_parallel, lora, speculator)
+
+
+def _load_draft(config: EngineConfig, loaded, layout):
+    """speculative_config's draft model: its K/V shares the target's blocks, which needs
+    one full-attention KV-cache group."""
+    if layout.num_groups > 1 or layout.has_window:
+        raise ValueError("speculative_config method 'draft_model': the target has "
+                         "sliding-window layers, whose blocks a draft cannot share yet")
+    max_model_len = config.scheduler.max_model_len or loaded.max_position_embeddings
+    return load_draft(config.speculative_config, loaded, max_model_len,
+                      batch_invariant=config.batch_invariant)
 
 
 def open_trace(config: EngineConfig, loaded, layout) -> TraceRecorder | NullTrace:

@@ -74,7 +74,9 @@ def check_state(scheduler: Scheduler) -> None:
             assert [b.block_id for b in blocks] == block_ids
             held = [b.block_id for b in blocks if b is not NULL_BLOCK]
             assert len(set(held)) == len(held), "a block appears twice in one block table"
-            assert len(blocks) == -(-request.num_computed_tokens // bs)
+            # Plus the lookahead slots a draft model writes to (speculative decoding).
+            assert len(blocks) == -(-(request.num_computed_tokens
+                                      + scheduler.num_lookahead_tokens) // bs)
             owners.update(held)
         # Scheduled drafts (speculative decoding) count as computed until verified.
         assert request.num_computed_tokens <= request.num_tokens + len(request.spec_token_ids)

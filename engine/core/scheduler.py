@@ -52,10 +52,13 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  enable_kv_events: bool = False, lora_config: LoRAConfig | None = None,
-                 kv_layout: KVCacheLayout | None = None, num_spec_tokens: int = 0) -> None:
+                 kv_layout: KVCacheLayout | None = None, num_spec_tokens: int = 0,
+                 num_lookahead_tokens: int = 0) -> None:
         """`kv_layout`: the model's KV-cache groups (engine/core/kv_cache/groups.py); None:
         one full-attention group. `num_spec_tokens`: speculative decoding's
-        num_speculative_tokens (0: off), for its counters."""
+        num_speculative_tokens (0: off), for its counters. `num_lookahead_tokens`: slots
+        kept past each scheduled request's tokens, where a draft model writes the K/V of
+        its proposals between steps (vLLM's; 0 for drafts without a model)."""
         if cache_config.num_kv_blocks is None:
             raise ValueError("cache_config.num_kv_blocks must be set before building a Scheduler")
         if scheduler_config.max_model_len is None:
@@ -83,6 +86,7 @@ class Scheduler:
         self.generation_tokens_total = 0
         self.num_steps = 0
         self.spec_stats = SpecDecodingStats(num_spec_tokens) if num_spec_tokens else None
+        self.num_lookahead_tokens = num_lookahead_tokens
 
     # ---- requests in and out -------------------------------------------------
     def check_new_request(self, request_id: str, num_prompt_tokens: int) -> None:
@@ -167,7 +171,8 @@ class Scheduler:
                 i += 1
                 continue
             while True:
-                if kv.allocate_slots(request, num_new) is not None:
+                if kv.allocate_slots(request, num_new,
+                                     num_lookahead_tokens=self.num_lookahead_tokens) is not None:
                     break
                 victim = pick_victim(running, cfg, self.num_steps, self.fair, self.anchor)
                 victim_index = running.index(victim)
@@ -280,7 +285,8 @@ class Scheduler:
             if no_evict and not admission.fits(request, hit_blocks, kv, cfg.max_model_len,
                                                max_chunk, reserved, self.watermark_blocks):
                 break
-            if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks) is None:
+            if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks,
+                                 self.num_lookahead_tokens) is None:
                 break
             waiting.remove(request)
             if prefills is not None:
@@ -359,10 +365,11 @@ class Scheduler:
         """A verified draft: the rejected tokens' K/V is given back (their positions are
         computed again, the blocks past the accepted ones are freed; none of them was ever
         hashed, since only tokens in all_token_ids are), so the request stands as if it
-        had never proposed them."""
+        had never proposed them (but for the lookahead slots a draft model keeps)."""
         request.num_computed_tokens -= num_draft - num_accepted
         request.spec_token_ids = []
-        self.kv_cache_manager.trim(request, request.num_computed_tokens)
+        self.kv_cache_manager.trim(request, request.num_computed_tokens
+                                   + self.num_lookahead_tokens)
         if self.spec_stats is not None:
             self.spec_stats.observe(num_draft, num_accepted)
 
@@ -377,7 +384,8 @@ class Scheduler:
                 request.num_computed_tokens = request.num_tokens - 1
                 if request.spec_token_ids:
                     request.spec_token_ids = []
-                    self.kv_cache_manager.trim(request, request.num_computed_tokens)
+                    self.kv_cache_manager.trim(request, request.num_computed_tokens
+                                               + self.num_lookahead_tokens)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

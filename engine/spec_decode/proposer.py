@@ -27,5 +27,8 @@ def make_proposer(config: "SpeculativeConfig", **context) -> Proposer:
     if config.method == "suffix":
         from engine.spec_decode.suffix import SuffixProposer
         return SuffixProposer(config)
-    raise ValueError(f"speculative_config.method {config.method!r} is not available in this "
-                     "engine yet")
+    if config.method == "draft_model":
+        from engine.spec_decode.draft_model import DraftModelProposer
+        return DraftModelProposer(context["draft"], context["num_kv_blocks"],
+                                  context["block_size"], context["block_table"])
+    raise ValueError(f"speculative_config.method {config.method!r} is not available")

@@ -106,12 +106,15 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: GroupBlocks | None = None,
-                       num_reserved_blocks: int = 0) -> GroupBlocks | None:
+                       num_reserved_blocks: int = 0,
+                       num_lookahead_tokens: int = 0) -> GroupBlocks | None:
         """Make room for `num_new_tokens` after the request's computed tokens (plus
-        the prefix hits in `new_computed_blocks`, one list per group). Returns the fresh
-        blocks per group, or None with no block taken if they do not fit while keeping
-        `num_reserved_blocks` free (the watermark, for admissions). Blocks a window has
-        left are freed first, even when the rest does not fit (they are never read again)."""
+        the prefix hits in `new_computed_blocks`, one list per group), and for
+        `num_lookahead_tokens` more (vLLM's: slots a draft model writes its proposals'
+        K/V to after the step). Returns the fresh blocks per group, or None with no block
+        taken if they do not fit while keeping `num_reserved_blocks` free (the watermark,
+        for admissions). Blocks a window has left are freed first, even when the rest
+        does not fit (they are never read again)."""
         request_id = request.request_id
         tables = self.req_to_blocks.get(request_id)
         if tables is not None and self.windowed:
@@ -122,7 +125,7 @@ class KVCacheManager:
         bs = self.block_size
         num_tokens = request.num_computed_tokens + num_hits * bs + num_new_tokens
         # The same in every group: the tables cover the same positions.
-        num_new_blocks = -(-num_tokens // bs) - num_hits
+        num_new_blocks = -(-(num_tokens + num_lookahead_tokens) // bs) - num_hits
         if tables is not None:
             num_new_blocks -= len(tables[0])
         new_blocks = self.no_hits
