@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.core.kv_cache.publisher import NullEventPublisher, ZmqEventPublisher, make_publisher
 from engine.core.scheduler import Scheduler
 from engine.faults import FaultPlan
-from engine.metrics.trace import NullTrace, TraceRecorder
+from engine.metrics.trace import NullTrace, TraceRecorder, speculative_args
 from engine.models import load_model
 from engine.models.moe import ExpertLoad
 from engine.spec_decode.draft_model import draft_block_bytes, load_draft
@@ -189,7 +189,8 @@ def open_trace(config: EngineConfig, loaded, layout) -> TraceRecorder | NullTrac
             "quantization": config.quantization,
             # where each expert's tokens were computed (the steps' expert_tokens)
             "tensor_parallel_size": config.tensor_parallel_size,
-            "enable_expert_parallel": config.enable_expert_parallel}
+            "enable_expert_parallel": config.enable_expert_parallel,
+            "speculative_config": speculative_args(config.speculative_config)}
     header = {"block_size": cache.block_size, "model": str(loaded.model_dir),
               "kv_bytes_per_token": loaded.kv_cache_bytes_per_token(),
               "kv_layer_windows": list(layout.layer_windows),

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from tuning.apply import (Repository, changed_arguments, load_previous, parameters,
                           save_previous, with_parameters)
-from tuning.replay import Summary, error_table, measured, replay, summarize
+from tuning.replay import Summary, measured, replay, summarize
+from tuning.tables import error_table
 from tuning.server_trace import (local_path, next_trace_path, recent, trace_path_of,
                                  wait_drained)
 from tuning.step_model import StepModel, held_out_error, step_durations

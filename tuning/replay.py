@@ -4,7 +4,9 @@ arguments, with a virtual clock advanced by the step-time model: no model runs.
 Each recorded request comes back with its arrival time, priority, limits and output
 length, and a synthetic prompt whose blocks are equal exactly where the recorded chained
 block hashes were (the same prefixes are shared, to the same depth). It finishes after
-its recorded number of output tokens, or is cancelled at its recorded time.
+its recorded number of output tokens, or is cancelled at its recorded time. A trace
+recorded with speculative decoding replays its drafts and acceptance (tuning/spec_replay.py;
+--set num_speculative_tokens=N replays another k, 0 none).
 
     python -m tuning.replay TRACE [--set max_num_seqs=32 ...] [--compare]
 --compare prints the measured figures of the trace beside the replay's (the replay must
@@ -22,6 +24,8 @@ import numpy as np
 
 from engine.api import (CacheConfig, KVCacheLayout, Request, SamplingParams, Scheduler,
                         SchedulerConfig, build_layout, convert, step_features)
+from tuning.spec_replay import Drafter, num_speculative_tokens, recorded_totals
+from tuning.tables import comparison_table
 from tuning.step_model import StepModel, held_out_error, step_durations
 from tuning.trace_file import Trace, read_trace
 
@@ -129,11 +133,14 @@ def summarize(results: list[RequestResult], steps: int = 0) -> Summary:
 
 def measured(trace: Trace) -> Summary:
     """What the recorded run itself saw."""
-    return summarize([RequestResult(
+    summary = summarize([RequestResult(
         arrival=r["arrival"], first_token=r["first_token"], finish=r["finish"],
         output_len=r["output_len"], num_preemptions=r["num_preemptions"],
         prompt_len=r["prompt_len"], num_cached_tokens=r["num_cached_tokens"],
         cancelled=r["cancel"] is not None) for r in trace.requests], len(trace.steps))
+    if num_speculative_tokens(trace):
+        summary.extra["speculative"] = recorded_totals(trace)
+    return summary
 
 
 def synthetic_prompts(trace: Trace) -> list[list[int]]:
@@ -161,12 +168,19 @@ def start_step(out, results: dict[str, RequestResult], clock: float) -> None:
             result.first_scheduled = clock
 
 
-def finish_step(scheduler: Scheduler, out, results: dict[str, RequestResult], clock: float) -> None:
+def finish_step(scheduler: Scheduler, out, results: dict[str, RequestResult], clock: float,
+                drafter: Drafter | None = None) -> None:
     """A simulated step ends at `clock`: every sequence it completed samples a token (its
-    value is irrelevant, lengths are what the workload fixes)."""
-    sampled = {r.request_id: [0] for r in out.scheduled_requests
-               if r.num_computed_tokens >= r.num_tokens}
-    for request in scheduler.update_from_output(out, sampled):
+    value is irrelevant, lengths are what the workload fixes), and a verified draft the
+    tokens the drafter keeps of it plus one; then the drafter proposes the next drafts."""
+    drafts = out.scheduled_spec_decode_tokens
+    sampled = {r.request_id: drafter.sampled(r, len(drafts[r.request_id]))
+               if drafter is not None and drafts.get(r.request_id) else [0]
+               for r in out.scheduled_requests if r.num_computed_tokens >= r.num_tokens}
+    updated = scheduler.update_from_output(out, sampled)
+    if drafter is not None:
+        drafter.propose(updated)
+    for request in updated:
         result = results[request.request_id]
         if result.first_token is None:
             result.first_token = clock
@@ -183,9 +197,13 @@ def record_request_counts(requests: dict[str, Request], results: dict[str, Reque
 
 
 def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = None,
-           max_steps: int = 5_000_000) -> Summary:
-    sched_cfg, cache_cfg = configs(trace, overrides or {})
-    scheduler = Scheduler(sched_cfg, cache_cfg, kv_layout=kv_layout_of(trace))
+           max_steps: int = 5_000_000, seed: int = 0) -> Summary:
+    overrides = dict(overrides or {})
+    k = int(overrides.pop("num_speculative_tokens", num_speculative_tokens(trace)))
+    sched_cfg, cache_cfg = configs(trace, overrides)
+    drafter = Drafter.of(trace, k, sched_cfg.max_model_len, seed)
+    scheduler = Scheduler(sched_cfg, cache_cfg, kv_layout=kv_layout_of(trace),
+                          num_spec_tokens=k if drafter is not None else 0)
     records = trace.requests
     prompts = synthetic_prompts(trace)
     results: dict[str, RequestResult] = {}
@@ -224,36 +242,14 @@ def replay(trace: Trace, model: StepModel, overrides: dict[str, Any] | None = No
             clock = cancels[next_cancel][0] if next_cancel < len(cancels) else clock + 1e-3
             continue
         clock += model.predict(step_features(out))
-        finish_step(scheduler, out, results, clock)
+        finish_step(scheduler, out, results, clock, drafter)
     record_request_counts(requests, results)
     summary = summarize(list(results.values()), steps)
     summary.extra["sim_seconds"] = clock
+    if drafter is not None:
+        summary.extra["speculative"] = drafter.totals()
     summary.extra["per_request"] = results
     return summary
-
-
-def comparison_table(actual: Summary, predicted: Summary) -> str:
-    rows = [("TTFT p50 s", actual.ttft["p50"], predicted.ttft["p50"]),
-            ("TTFT p90 s", actual.ttft["p90"], predicted.ttft["p90"]),
-            ("ITL p50 s", actual.itl["p50"], predicted.itl["p50"]),
-            ("ITL p90 s", actual.itl["p90"], predicted.itl["p90"]),
-            ("e2e p50 s", actual.e2e["p50"], predicted.e2e["p50"]),
-            ("output tok/s", actual.output_tokens_per_s, predicted.output_tokens_per_s),
-            ("preemptions", actual.preemptions, predicted.preemptions),
-            ("prefix hit rate", actual.prefix_hit_rate, predicted.prefix_hit_rate)]
-    return error_table(rows, ("measured", "replay"), label_width=18)
-
-
-def error_table(rows: list[tuple[str, float, float]], headers: tuple[str, str],
-                label_width: int, predicted_first: bool = False) -> str:
-    """Rows of (name, measured, predicted) as a table with the prediction's error against
-    the measurement, the two value columns under `headers` in print order."""
-    lines = [f"{'':{label_width}s}{headers[0]:>12s}{headers[1]:>12s}{'error':>9s}"]
-    for name, a, p in rows:
-        error = f"{p / a - 1:+.1%}" if a else "-"
-        first, second = (p, a) if predicted_first else (a, p)
-        lines.append(f"{name:{label_width}s}{first:12.4g}{second:12.4g}{error:>9s}")
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:

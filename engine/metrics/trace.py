@@ -8,17 +8,27 @@ Records, one JSON object a line, times in seconds since the trace began:
   {"type": "request", "id", "arrival", "prompt_len", "block_hashes", "max_tokens",
    "min_tokens", "priority", "output_len", "first_token", "finish", "finish_reason",
    "cancel" (time of the abort, or null), "num_cached_tokens", "num_preemptions",
-   "lora_name" (its LoRA adapter, or null for the base model), "tenant" (or null)}
+   "lora_name" (its LoRA adapter, or null for the base model), "tenant" (or null),
+   speculative decoding: "num_drafts", "draft_tokens", "accepted_tokens" (its drafts
+   verified, their tokens, the tokens of them it kept)}
   {"type": "step", "start", "wall", "prefill_tokens", "decode_tokens", "num_prefills",
    "batch_size", "context_tokens", "preemptions",
+   speculative decoding: "num_drafts", "draft_tokens", "accepted_tokens" (the requests
+   whose draft the step verified, the draft positions it computed, the ones kept),
    "expert_tokens" (mixture-of-experts models only: per MoE layer, in layer order, the
    token slots the router sent each expert in the step; each layer's list sums to the
    step's tokens times top_k)}
-A request is written when it ends. The file is size-capped: past max_bytes it is moved to
+A request is written when it ends. decode_tokens counts the positions a decode computed:
+a request verifying d draft tokens adds 1 + d (prefill_tokens + decode_tokens is the
+step's forward size). The speculative fields are on every record of a trace whose
+engine_args carry a speculative_config (its dataclass's fields, vLLM's keys), and on any
+record with a draft otherwise; absent means 0. Version 1 throughout: the fields are
+additive. The file is size-capped: past max_bytes it is moved to
 `<path>.1` (replacing an older one) and a new file with the same header begins.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -51,22 +61,38 @@ def prompt_block_hashes(request: Request, block_size: int) -> list[int]:
     return [external_hash(h) if isinstance(h, bytes) else h for h in hashes]
 
 
+def speculative_args(config: Any) -> dict[str, Any] | None:
+    """engine_args' "speculative_config": the SpeculativeConfig's fields (vLLM's keys, JSON
+    values), None without speculation."""
+    return None if config is None else dataclasses.asdict(config)
+
+
 def step_features(out: SchedulerOutput) -> dict[str, int]:
     """What a step's time depends on, from its schedule, read before update_from_output
     (num_computed_tokens already counts the step's tokens, num_tokens not yet the
-    sampled one). A decode is one token that completes its sequence; anything else is a
-    prefill chunk."""
+    sampled one). A decode is one token that completes its sequence, plus the draft
+    tokens it verifies (all its positions count as decode tokens); anything else is a
+    prefill chunk. With drafts scheduled: their count and the drafting requests'."""
     prefill = decode = num_prefills = context = 0
+    drafts = out.scheduled_spec_decode_tokens
+    draft_tokens = 0
     for request in out.scheduled_requests:
         n = out.num_scheduled_tokens[request.request_id]
+        d = len(drafts.get(request.request_id, ())) if drafts else 0
+        draft_tokens += d
         context += request.num_computed_tokens
-        if n == 1 and request.num_computed_tokens >= request.num_tokens:
-            decode += 1
+        if n - d == 1 and request.num_computed_tokens - d >= request.num_tokens:
+            decode += n
         else:
             prefill += n
             num_prefills += 1
-    return {"prefill_tokens": prefill, "decode_tokens": decode, "num_prefills": num_prefills,
-            "batch_size": len(out.scheduled_requests), "context_tokens": context}
+    features = {"prefill_tokens": prefill, "decode_tokens": decode,
+                "num_prefills": num_prefills, "batch_size": len(out.scheduled_requests),
+                "context_tokens": context}
+    if draft_tokens:
+        features.update(num_drafts=sum(1 for ids in drafts.values() if ids),
+                        draft_tokens=draft_tokens)
+    return features
 
 
 class TraceRecorder:
@@ -87,6 +113,11 @@ class TraceRecorder:
         self._step_start = 0.0
         self._step_preemptions = 0
         self._step_features: dict[str, Any] | None = None
+        # Speculative decoding: the step's drafting requests (request, draft tokens, its
+        # num_tokens before the update), and per request [drafts, draft tokens, accepted].
+        self._speculative = bool(header.get("engine_args", {}).get("speculative_config"))
+        self._drafting: list[tuple[Request, int, int]] = []
+        self._spec_totals: dict[str, list[int]] = {}
 
     def _open(self) -> None:
         # Line-buffered: a live reader (python -m tuning.tune --server) sees each record
@@ -137,6 +168,7 @@ class TraceRecorder:
         self._step_start = self.now()
         self._step_preemptions = num_preemptions_total
         self._step_features = None
+        self._drafting = []
         if self.expert_load is not None:
             self.expert_load.take()  # forwards outside a step: warm-up, a failed step
 
@@ -145,16 +177,41 @@ class TraceRecorder:
         if self.off:
             return
         self._step_features = step_features(out)
+        drafts = out.scheduled_spec_decode_tokens
+        self._drafting = [(r, len(drafts[r.request_id]), r.num_tokens)
+                          for r in out.scheduled_requests if drafts.get(r.request_id)]
+        if self._speculative or self._drafting:
+            self._step_features.setdefault("num_drafts", 0)
+            self._step_features.setdefault("draft_tokens", 0)
+            self._step_features["accepted_tokens"] = 0
         if self.expert_load is not None:
             self._step_features["expert_tokens"] = self.expert_load.take()
 
     def requests_updated(self, requests: list[Request]) -> None:
         if self.off:
             return
+        if self._drafting:
+            self._settle_drafts()
         for request in requests:
             self._first_token.setdefault(request.request_id, self.now())
             if request.is_finished:
                 self.finished(request)
+
+    def _settle_drafts(self) -> None:
+        """What each verified draft kept: the tokens its request really gained, less the
+        target's own (tokens past a stop are dropped, so they are not counted; a request
+        that got no token kept nothing)."""
+        step_accepted = 0
+        for request, num_draft, tokens_before in self._drafting:
+            accepted = min(max(request.num_tokens - tokens_before - 1, 0), num_draft)
+            step_accepted += accepted
+            totals = self._spec_totals.setdefault(request.request_id, [0, 0, 0])
+            totals[0] += 1
+            totals[1] += num_draft
+            totals[2] += accepted
+        self._drafting = []
+        if self._step_features is not None:
+            self._step_features["accepted_tokens"] = step_accepted
 
     def step_ended(self, num_preemptions_total: int) -> None:
         """The step's time includes building its outputs."""
@@ -171,6 +228,9 @@ class TraceRecorder:
             return
         now = self.now()
         params = request.sampling_params
+        spec = self._spec_totals.pop(request.request_id, None)
+        if spec is None and self._speculative:
+            spec = [0, 0, 0]
         self._write({
             "type": "request", "id": request.request_id,
             "arrival": round(request.arrival_time - self._origin, 6),
@@ -184,7 +244,9 @@ class TraceRecorder:
             "num_cached_tokens": max(request.num_cached_tokens, 0),
             "num_preemptions": request.num_preemptions,
             "lora_name": None if request.lora_request is None else request.lora_request.lora_name,
-            "tenant": request.tenant})
+            "tenant": request.tenant,
+            **({} if spec is None else {"num_drafts": spec[0], "draft_tokens": spec[1],
+                                        "accepted_tokens": spec[2]})})
 
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
@@ -205,6 +267,22 @@ class NullTrace:
 
     def requests_updated(self, requests: list[Request]) -> None:
         pass
+
+    def _settle_drafts(self) -> None:
+        """What each verified draft kept: the tokens its request really gained, less the
+        target's own (tokens past a stop are dropped, so they are not counted; a request
+        that got no token kept nothing)."""
+        step_accepted = 0
+        for request, num_draft, tokens_before in self._drafting:
+            accepted = min(max(request.num_tokens - tokens_before - 1, 0), num_draft)
+            step_accepted += accepted
+            totals = self._spec_totals.setdefault(request.request_id, [0, 0, 0])
+            totals[0] += 1
+            totals[1] += num_draft
+            totals[2] += accepted
+        self._drafting = []
+        if self._step_features is not None:
+            self._step_features["accepted_tokens"] = step_accepted
 
     def step_ended(self, num_preemptions_total: int) -> None:
         pass
