@@ -131,7 +131,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         if spec is not None:
             tables = scheduler.kv_cache_manager.req_to_block_ids
             proposer = make_proposer(spec, draft=draft, num_kv_blocks=cache_cfg.num_kv_blocks,
-                                     block_size=cache_cfg.block_size,
+                                     block_size=cache_cfg.block_size, seed=config.seed,
                                      block_table=lambda request_id: tables[request_id][0])
             speculator = Speculator(spec, proposer, sched_cfg.max_model_len)
             runner.num_spec_tokens = spec.num_speculative_tokens

@@ -33,6 +33,10 @@ class SpeculativeConfig:
     max_model_len: int | None = None
     # Only 1, or the target's size, is accepted: the draft runs in rank 0's process.
     draft_tensor_parallel_size: int | None = None
+    # vLLM 0.32's: "greedy" drafts the draft model's argmax (one-hot drafts);
+    # "probabilistic" samples the draft's distribution at the request's temperature and
+    # verifies with its probabilities (more drafts kept where the request samples).
+    draft_sample_method: str = "greedy"
     # vLLM < 0.10's: a step with more than this many running requests proposes nothing
     # (verification costs compute a big batch does not have). None: always propose.
     disable_by_batch_size: int | None = None
@@ -75,6 +79,12 @@ class SpeculativeConfig:
         elif self.model is not None:
             raise ValueError(f"speculative_config.model: only for method 'draft_model', "
                              f"got method {method!r}")
+        if self.draft_sample_method not in ("greedy", "probabilistic"):
+            raise ValueError("speculative_config.draft_sample_method must be 'greedy' or "
+                             f"'probabilistic', got {self.draft_sample_method!r}")
+        if self.draft_sample_method != "greedy" and method != "draft_model":
+            raise ValueError("speculative_config.draft_sample_method: only for method "
+                             f"'draft_model', got method {method!r}")
         if self.quantization not in (None, "gguf"):
             raise ValueError("speculative_config.quantization must be null or 'gguf', got "
                              f"{self.quantization!r}")

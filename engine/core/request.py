@@ -45,7 +45,8 @@ class Request:
                  "cache_salt", "all_token_ids", "num_prompt_tokens", "num_computed_tokens",
                  "num_cached_tokens", "status", "num_preemptions", "stop_reason",
                  "finished_on_stop_token", "first_scheduled_time", "block_hashes", "max_tokens",
-                 "grammar", "resumed_at_step", "lora_request", "tenant", "spec_token_ids")
+                 "grammar", "resumed_at_step", "lora_request", "tenant", "spec_token_ids",
+                 "spec_token_probs")
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams | None = None, priority: int = 0,
@@ -101,6 +102,9 @@ class Request:
         # Speculative decoding: tokens proposed after all_token_ids, to be verified by the
         # next step that schedules this request (engine/spec_decode/); never part of it.
         self.spec_token_ids: list[int] = []
+        # With a draft model's probabilistic drafts: the draft's distribution at each
+        # proposed position ([k, vocab], a tensor the runner reads); None: one-hot drafts.
+        self.spec_token_probs: Any = None
 
     @property
     def num_tokens(self) -> int:

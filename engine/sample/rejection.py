@@ -11,8 +11,13 @@ rows), and the output is the longest prefix of drafts equal to the samples, then
 sample at the first disagreement, or after all k the sample of row k + 1 (the "bonus"
 token). Greedy rows give exactly greedy decoding's tokens; random rows keep the target
 distribution, with other draws than without speculation (each row draws its own
-uniform, so a seeded request sees other, equally distributed tokens)."""
+uniform, so a seeded request sees other, equally distributed tokens).
+
+A draft model's probabilistic drafts are not one-hot: accept_with_probs weighs them with
+the draft's own probabilities."""
 from __future__ import annotations
+
+import torch
 
 
 def accept_one_hot(sampled: list[int], start: int, drafts: list[int]) -> list[int]:
@@ -24,4 +29,29 @@ def accept_one_hot(sampled: list[int], start: int, drafts: list[int]) -> list[in
         if token != draft:
             return out
     out.append(sampled[start + len(drafts)])
+    return out
+
+
+def accept_with_probs(target: torch.Tensor, draft: torch.Tensor, drafts: list[int],
+                      bonus: int, generator: torch.Generator) -> list[int]:
+    """vLLM's rejection sampling for drafts with probabilities (a draft model's draws):
+    draft x at position j is kept with probability min(1, p_j(x) / q_j(x)); at the first
+    rejection the token is drawn from max(p_j - q_j, 0), renormalised, and the rest
+    dropped; all kept, `bonus` (the target's own draw after them) follows. `target` p and
+    `draft` q: [len(drafts), vocab] probabilities. The output is distributed as tokens
+    drawn from p one at a time (Leviathan et al., 2023)."""
+    uniforms = torch.rand(len(drafts), generator=generator, device=target.device).tolist()
+    out: list[int] = []
+    for j, token in enumerate(drafts):
+        p, q = float(target[j, token]), float(draft[j, token])
+        if uniforms[j] * q < p:  # u < p / q, also where q == 0 cannot happen (x came from q)
+            out.append(token)
+            continue
+        residual = (target[j] - draft[j]).clamp_(min=0)
+        total = float(residual.sum())
+        if not total > 0:  # p == q up to rounding: a rejection cannot really happen
+            residual, total = target[j], float(target[j].sum())
+        out.append(int(torch.multinomial(residual / total, 1, generator=generator)))
+        return out
+    out.append(bonus)
     return out

@@ -90,36 +90,34 @@ class Sampler:
                 # as masking them.
                 apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
             return SamplerOutput(dispatch.argmax_rows(logits), None, None, None)
-        # A private float32 copy: everything below edits it in place.
-        logits = logits.to(torch.float32, copy=True)
-        if metadata.grammar_rows is not None:
-            # First, as in vLLM: logprobs of a constrained row are over what it may emit.
-            apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
-        logprobs = None
-        if metadata.max_num_logprobs is not None:
-            logprobs = torch.log_softmax(logits, dim=-1)
-        if metadata.min_tokens_rows is not None:
-            logits.index_put_((metadata.min_tokens_rows, metadata.min_tokens_token_ids),
-                              torch.tensor(_NEG_INF, device=logits.device))
-        if metadata.penalties is not None:
-            logits = apply_penalties(logits, metadata.penalties)
+        logits, logprobs = _masked(logits, metadata, metadata.max_num_logprobs is not None)
         if metadata.all_greedy:
             sampled = logits.argmax(dim=-1)
         else:
             sampled = self._sample(logits, metadata)
         return _with_logprobs(sampled, logprobs, metadata.max_num_logprobs)
 
+    def target_probs(self, logits: torch.Tensor,
+                     metadata: SamplingMetadata | list[SamplingMetadata]) -> torch.Tensor:
+        """[N, vocab] float32: the distribution each row's token is drawn from (masks,
+        penalties, temperature, min-p, top-k/top-p applied), which speculative decoding's
+        rejection sampling weighs a draft model's proposals against. Draws nothing, so
+        no generator advances. Greedy rows: the softmax of their masked logits."""
+        if isinstance(metadata, list):
+            return torch.cat([self.target_probs(logits[row:row + 1], md)
+                              for row, md in enumerate(metadata)])
+        logits, _ = _masked(logits, metadata, False)
+        if not metadata.all_greedy:
+            _shape(logits, metadata)
+        return torch.softmax(logits, dim=-1)
+
     def _sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         greedy_ids = logits.argmax(dim=-1) if md.greedy_rows is not None else None
-        logits.div_(md.temperature.unsqueeze(1))
-        if md.min_p is not None:
-            apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            apply_top_k_top_p(logits, md.top_k, md.top_p)
+        _shape(logits, md)
         # Inverse-CDF sampling needs one uniform per row, so a seeded row draws from its own
         # generator and its result does not depend on the rest of the batch.
         device = logits.device
-        uniform = torch.rand(md.num_rows, 1, generator=self._shared_generator(device), device=device)
+        uniform = torch.rand(md.num_rows, 1, generator=self.shared_generator(device), device=device)
         for row, generator in md.seeded_rows:
             uniform[row] = torch.rand(1, generator=generator, device=device)
         sampled = sample_from_logits(logits, uniform)
@@ -127,7 +125,8 @@ class Sampler:
             sampled = torch.where(md.greedy_rows, greedy_ids, sampled)
         return sampled
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """What unseeded rows draw from (rejection sampling too)."""
         gen = self._shared.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
@@ -137,6 +136,33 @@ class Sampler:
                 gen.manual_seed(self._seed)
             self._shared[device] = gen
         return gen
+
+
+def _masked(logits: torch.Tensor, metadata: SamplingMetadata, with_logprobs: bool
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A private float32 copy (what follows edits it in place) with the grammar's mask,
+    min_tokens' mask and the penalties applied; and the logprobs asked for, taken after
+    the grammar's mask (as in vLLM: a constrained row's logprobs are over what it may
+    emit) and before the rest."""
+    logits = logits.to(torch.float32, copy=True)
+    if metadata.grammar_rows is not None:
+        apply_bitmask(logits, metadata.grammar_bitmask, metadata.grammar_rows)
+    logprobs = torch.log_softmax(logits, dim=-1) if with_logprobs else None
+    if metadata.min_tokens_rows is not None:
+        logits.index_put_((metadata.min_tokens_rows, metadata.min_tokens_token_ids),
+                          torch.tensor(_NEG_INF, device=logits.device))
+    if metadata.penalties is not None:
+        logits = apply_penalties(logits, metadata.penalties)
+    return logits, logprobs
+
+
+def _shape(logits: torch.Tensor, md: SamplingMetadata) -> None:
+    """In place: temperature, min-p, top-k and top-p (greedy rows have temperature 1)."""
+    logits.div_(md.temperature.unsqueeze(1))
+    if md.min_p is not None:
+        apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        apply_top_k_top_p(logits, md.top_k, md.top_p)
 
 
 def _rows_failing_alone(requests: list[Request], vocab_size: int, device: torch.device | str,

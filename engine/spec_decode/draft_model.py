@@ -1,6 +1,7 @@
 """The draft_model method: a smaller model with the target's tokenizer proposes the next k
 tokens by greedy decoding (vLLM's draft_sample_method "greedy", its default: the drafts
-are one-hot, verified as engine/sample/rejection.py verifies them).
+are one-hot, verified as engine/sample/rejection.py verifies them), or, "probabilistic",
+by sampling its own distribution where the request samples (drafts with probabilities).
 
 The draft keeps its K/V in the target's blocks: tensors of its own shape
 ([num_kv_blocks, block_size, its kv heads, its head_dim] per layer) addressed by the
@@ -20,6 +21,7 @@ import torch
 
 from engine.core.request import Request
 from engine.models import load_model
+from engine.sample.metadata import GREEDY_TEMPERATURE_EPS
 from engine.worker import host_memory
 from engine.worker.prefill_batch import chunk_inputs, padded_table
 from kernels import dispatch
@@ -69,9 +71,19 @@ class _Drafted:
 
 class DraftModelProposer:
     def __init__(self, draft: "LoadedModel", num_kv_blocks: int, block_size: int,
-                 block_table: Callable[[str], list[int]]) -> None:
-        """`block_table(request_id)`: the request's blocks (the scheduler's, one group)."""
+                 block_table: Callable[[str], list[int]], sample_method: str = "greedy",
+                 seed: int = 0) -> None:
+        """`block_table(request_id)`: the request's blocks (the scheduler's, one group).
+        `sample_method` "probabilistic": a request that samples (temperature > 0) gets
+        drafts drawn from softmax(draft logits / its temperature), and the runner weighs
+        them with those probabilities (take_probs); greedy requests get the argmax."""
         self.loaded = draft
+        self.probabilistic = sample_method == "probabilistic"
+        # Unseeded requests' draws; a seeded request draws from its own generator.
+        self._shared = torch.Generator(device=next(draft.model.parameters()).device)
+        self._shared.manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+        self._probs: dict[str, list[torch.Tensor]] = {}
         self.model = draft.model
         self.device = next(self.model.parameters()).device
         self.block_size = block_size
@@ -104,14 +116,15 @@ class DraftModelProposer:
         for request, start in zip(requests, starts):
             token_ids.extend(request.all_token_ids[start:])
         lengths = [r.num_tokens for r in requests]
-        firsts = self._forward(token_ids, [n - s for n, s in zip(lengths, starts)], lengths,
-                               tables)
+        firsts = self._forward(requests, token_ids, [n - s for n, s in zip(lengths, starts)],
+                               lengths, tables)
         drafts = [[t] for t in firsts]
         for step in range(1, max(limits)):
             active = [i for i, limit in enumerate(limits) if limit > step]
             if not active:
                 break
-            nexts = self._forward([drafts[i][-1] for i in active], [1] * len(active),
+            nexts = self._forward([requests[i] for i in active],
+                                  [drafts[i][-1] for i in active], [1] * len(active),
                                   [lengths[i] + step for i in active], [tables[i] for i in active])
             for i, token in zip(active, nexts):
                 drafts[i].append(token)
@@ -120,17 +133,47 @@ class DraftModelProposer:
                                                       request.num_preemptions)
         return drafts
 
-    def _forward(self, token_ids: list[int], query_lens: list[int], seq_lens: list[int],
-                 tables: list[list[int]]) -> list[int]:
-        """Each sequence's tokens through the draft; its argmax after the last one."""
+    def _forward(self, requests: Sequence[Request], token_ids: list[int],
+                 query_lens: list[int], seq_lens: list[int], tables: list[list[int]]
+                 ) -> list[int]:
+        """Each sequence's tokens through the draft; the token it proposes after the last
+        one: its argmax, or a draw (probabilistic, for a request that samples)."""
         device = self.device
         positions, qsl, metas = chunk_inputs(query_lens, seq_lens, [padded_table(tables)],
                                              self.block_size, lambda t: t.to(device))
         hidden = self.model(torch.tensor(token_ids, dtype=torch.int64, device=device),
                             positions.to(device), self.kv_caches, metas[0])
         logits = self.model.compute_logits(hidden[(qsl[1:] - 1).to(device)], upcast=False)
-        return dispatch.argmax_rows(logits).tolist()
+        tokens = dispatch.argmax_rows(logits).tolist()
+        if self.probabilistic:
+            for row, request in enumerate(requests):
+                temperature = request.sampling_params.temperature
+                if temperature >= GREEDY_TEMPERATURE_EPS:
+                    tokens[row] = self._draw(request, logits[row].float() / temperature)
+        return tokens
+
+    def _draw(self, request: Request, logits: torch.Tensor) -> int:
+        """A token from softmax(logits), whose row is kept for the verification."""
+        probs = torch.softmax(logits, dim=-1)
+        seed = request.sampling_params.seed
+        generator = self._shared
+        if seed is not None:
+            generator = self._generators.get(request.request_id)
+            if generator is None:
+                generator = self._generators[request.request_id] = torch.Generator(
+                    device=probs.device)
+                generator.manual_seed(seed)
+        self._probs.setdefault(request.request_id, []).append(probs)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    def take_probs(self, request: Request) -> torch.Tensor | None:
+        """The draft's distribution at each position it just proposed for `request`
+        ([k, vocab]); None for argmax drafts (one-hot)."""
+        rows = self._probs.pop(request.request_id, None)
+        return None if rows is None else torch.stack(rows)
 
     def finished(self, requests: Sequence[Request]) -> None:
         for request in requests:
             self._last.pop(request.request_id, None)
+            self._generators.pop(request.request_id, None)
+            self._probs.pop(request.request_id, None)

@@ -30,5 +30,6 @@ def make_proposer(config: "SpeculativeConfig", **context) -> Proposer:
     if config.method == "draft_model":
         from engine.spec_decode.draft_model import DraftModelProposer
         return DraftModelProposer(context["draft"], context["num_kv_blocks"],
-                                  context["block_size"], context["block_table"])
+                                  context["block_size"], context["block_table"],
+                                  config.draft_sample_method, context.get("seed", 0))
     raise ValueError(f"speculative_config.method {config.method!r} is not available")

@@ -42,11 +42,14 @@ class Speculator:
                 limits.append(limit)
         if not requests:
             return
+        take_probs = getattr(self.proposer, "take_probs", None)
         for request, drafts in zip(requests, self.proposer.propose(requests, limits)):
             if drafts and request.grammar is not None:
                 # A token the grammar refuses can never be sampled there: cut it and the rest.
                 drafts = drafts[:request.grammar.accepted_prefix(drafts)]
             request.spec_token_ids = list(drafts)
+            # The runner reads as many rows as drafts get scheduled.
+            request.spec_token_probs = None if take_probs is None else take_probs(request)
 
     def finished(self, requests: Iterable[Request]) -> None:
         done = [r for r in requests if r.is_finished]

@@ -26,7 +26,7 @@ from engine.models.loader import LoadedModel
 from engine.sample.prompt_logprobs import (PromptLogprobs, PromptLogprobsTracker,
                                            StepPromptRows, for_each_slice)
 from engine.sample.draft_rows import expand_rows
-from engine.sample.rejection import accept_one_hot
+from engine.sample.rejection import accept_one_hot, accept_with_probs
 from engine.sample.sampler import Sampler
 from engine.sampling_params import SamplingParams
 from engine.worker import host_memory
@@ -184,12 +184,17 @@ class ModelRunner:
         for request in sample_reqs:
             proposed = drafts.get(request.request_id) if drafts else None
             first_rows.append(row)
-            if proposed:
-                sampled[request.request_id] = accept_one_hot(token_ids, row, proposed)
-                row += len(proposed) + 1
-            else:
+            if not proposed:
                 sampled[request.request_id] = [token_ids[row]]
                 row += 1
+                continue
+            if request.spec_token_probs is None:
+                sampled[request.request_id] = accept_one_hot(token_ids, row, proposed)
+            else:
+                sampled[request.request_id] = self._accept_with_probs(
+                    request, proposed, logits[row:row + len(proposed)],
+                    token_ids[row + len(proposed)])
+            row += len(proposed) + 1
         # Only once sampling succeeded: a failed step's requests sample again later.
         prompt_logprobs = self.prompt_logprobs.take_completed(sample_reqs)
         logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -207,6 +212,20 @@ class ModelRunner:
                     chosen[r], dict(zip(top_ids[r][:k], top_vals[r][:k])) if top_ids and k
                     else {}, ranks[r]) for r in rows]
         return RunnerOutput(sampled, logprobs, prompt_logprobs)
+
+    def _accept_with_probs(self, request: Request, proposed: list[int], logits: torch.Tensor,
+                           bonus: int) -> list[int]:
+        """A draft model's drafts with probabilities: the target's distributions at the
+        drafted positions (the rows as sampled, engine/sample/draft_rows.py), weighed
+        against the draft's (engine/sample/rejection.py)."""
+        rows = expand_rows([request], {request.request_id: proposed})[:len(proposed)]
+        target = self.sampler.target_probs(
+            logits, self.sampler.prepare(rows, self.vocab_size, self.device))
+        seed = request.sampling_params.seed
+        generator = (self.sampler.shared_generator(self.device) if seed is None
+                     else self.sampler.state.generator(request.request_id, seed, self.device))
+        return accept_with_probs(target, request.spec_token_probs[:len(proposed)].to(
+            target.device), proposed, bonus, generator)
 
     def forward(self, inputs: StepInputs, prompt_rows: StepPromptRows | None = None
                 ) -> torch.Tensor | None:

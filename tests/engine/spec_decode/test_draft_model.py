@@ -80,3 +80,18 @@ def test_a_draft_that_cannot_serve_the_target_is_refused(tiny, tmp_path, overrid
     with pytest.raises(ValueError, match=f"speculative_config.model .*{fragment}"):
         LLM(tiny, dtype="float32", num_kv_blocks=64, max_model_len=256,
             speculative_config=draft_config(other))
+
+
+def test_probabilistic_drafts_are_kept_more_often_where_requests_sample(tiny):
+    """The target as its own draft, sampling at temperature 1: drafts drawn from the
+    draft's distribution and weighed with it are kept almost always (p == q); its argmax
+    is kept only as often as the target would draw it."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    rates = {}
+    for method in ("greedy", "probabilistic"):
+        llm = LLM(tiny, dtype="float32", num_kv_blocks=256, speculative_config={
+            **draft_config(tiny), "draft_sample_method": method})
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 24 for o in outputs)
+        rates[method] = llm.llm_engine.get_stats().spec_decoding.acceptance_rate
+    assert rates["probabilistic"] > 0.9 > rates["greedy"] + 0.2

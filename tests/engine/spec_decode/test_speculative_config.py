@@ -41,6 +41,10 @@ def test_vllm_keys_and_defaults():
     ({"method": "ngram", "num_speculative_tokens": "many"}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": -1},
      "disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_sample_method": "probabilistic"},
+     "draft_sample_method: only for method 'draft_model'"),
+    ({"method": "draft_model", "model": "/m", "num_speculative_tokens": 2,
+      "draft_sample_method": "best"}, "draft_sample_method must be"),
     ("{not json", "must be a JSON object"),
     ([1, 2], "must be a JSON object"),
 ])
