@@ -95,8 +95,7 @@ def start_engine(config: EngineConfig, faults: FaultPlan) -> EngineParts:
         config = resolve_kv_pool(
             config, loaded, layout,
             draft_block_bytes=0 if draft is None else draft_block_bytes(draft,
-                                                                       config.cache.block_size),
-            num_lookahead_tokens=0 if draft is None else spec.num_speculative_tokens)
+                                                                       config.cache.block_size))
         sched_cfg, cache_cfg = config.scheduler, config.cache
         send_step = None
         if tensor_parallel is not None:

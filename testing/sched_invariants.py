@@ -75,8 +75,8 @@ def check_state(scheduler: Scheduler) -> None:
             held = [b.block_id for b in blocks if b is not NULL_BLOCK]
             assert len(set(held)) == len(held), "a block appears twice in one block table"
             # Plus the lookahead slots a draft model writes to (speculative decoding).
-            assert len(blocks) == -(-(request.num_computed_tokens
-                                      + scheduler.num_lookahead_tokens) // bs)
+            computed = request.num_computed_tokens
+            assert len(blocks) == -(-(computed + scheduler.lookahead_slots(computed)) // bs)
             owners.update(held)
         # Scheduled drafts (speculative decoding) count as computed until verified.
         assert request.num_computed_tokens <= request.num_tokens + len(request.spec_token_ids)

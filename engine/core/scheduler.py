@@ -170,9 +170,10 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            lookahead = self.lookahead_slots(request.num_computed_tokens + num_new)
             while True:
                 if kv.allocate_slots(request, num_new,
-                                     num_lookahead_tokens=self.num_lookahead_tokens) is not None:
+                                     num_lookahead_tokens=lookahead) is not None:
                     break
                 victim = pick_victim(running, cfg, self.num_steps, self.fair, self.anchor)
                 victim_index = running.index(victim)
@@ -286,7 +287,7 @@ class Scheduler:
                                                max_chunk, reserved, self.watermark_blocks):
                 break
             if kv.allocate_slots(request, num_new, hit_blocks, self.watermark_blocks,
-                                 self.num_lookahead_tokens) is None:
+                                 self.lookahead_slots(num_hit_tokens + num_new)) is None:
                 break
             waiting.remove(request)
             if prefills is not None:
@@ -368,10 +369,15 @@ class Scheduler:
         had never proposed them (but for the lookahead slots a draft model keeps)."""
         request.num_computed_tokens -= num_draft - num_accepted
         request.spec_token_ids = []
-        self.kv_cache_manager.trim(request, request.num_computed_tokens
-                                   + self.num_lookahead_tokens)
+        computed = request.num_computed_tokens
+        self.kv_cache_manager.trim(request, computed + self.lookahead_slots(computed))
         if self.spec_stats is not None:
             self.spec_stats.observe(num_draft, num_accepted)
+
+    def lookahead_slots(self, num_tokens: int) -> int:
+        """The lookahead slots a request with `num_tokens` computed (or scheduled) tokens
+        keeps: none past max_model_len, where no draft is ever proposed."""
+        return max(0, min(self.num_lookahead_tokens, self.config.max_model_len - num_tokens))
 
     def retry_sampling(self, requests: list[Request]) -> None:
         """A step computed these requests' tokens but sampled none: step back one token
@@ -384,8 +390,8 @@ class Scheduler:
                 request.num_computed_tokens = request.num_tokens - 1
                 if request.spec_token_ids:
                     request.spec_token_ids = []
-                    self.kv_cache_manager.trim(request, request.num_computed_tokens
-                                               + self.num_lookahead_tokens)
+                    computed = request.num_computed_tokens
+                    self.kv_cache_manager.trim(request, computed + self.lookahead_slots(computed))
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

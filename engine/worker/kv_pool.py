@@ -35,12 +35,12 @@ def kv_block_bytes(loaded, layout: KVCacheLayout, block_size: int) -> int:
 
 
 def resolve_kv_pool(config: EngineConfig, loaded, layout: KVCacheLayout | None = None,
-                    draft_block_bytes: int = 0, num_lookahead_tokens: int = 0) -> EngineConfig:
+                    draft_block_bytes: int = 0) -> EngineConfig:
     """Fill in what depends on the model (max_model_len, num_kv_blocks) and refuse a
     configuration that cannot serve one request of max_model_len. `layout`: the model's
     KV-cache groups (default: kv_layout(loaded)). A draft model (speculative decoding)
-    keeps its K/V in the same blocks: `draft_block_bytes` more per block, and
-    `num_lookahead_tokens` more slots per request."""
+    keeps its K/V in the same blocks: `draft_block_bytes` more per block (its lookahead
+    slots end at max_model_len, so a request still needs no more blocks)."""
     sched, cache = config.scheduler, config.cache
     layout = layout or kv_layout(loaded)
     context = loaded.max_position_embeddings
@@ -52,8 +52,7 @@ def resolve_kv_pool(config: EngineConfig, loaded, layout: KVCacheLayout | None =
     if num_blocks is None:
         num_blocks = pool_bytes(config, loaded) // (
             kv_block_bytes(loaded, layout, cache.block_size) + draft_block_bytes)
-    needed = layout.peak_blocks(max_model_len + num_lookahead_tokens, cache.block_size,
-                                sched.max_num_batched_tokens)
+    needed = layout.peak_blocks(max_model_len, cache.block_size, sched.max_num_batched_tokens)
     usable = num_blocks - int(cache.watermark * num_blocks)
     if usable < needed:
         raise ValueError(

@@ -148,3 +148,22 @@ def test_structured_outputs_see_exactly_the_accepted_tokens(tiny):
     assert [o.text for o in drafted] == [o.text for o in plain]
     assert all(o.finish_reason == "stop" for o in drafted)
     assert oracle.calls > 0 and draft_counts(llm)[0] > 0
+
+
+def test_stop_strings_and_parallel_samples_see_exactly_the_accepted_tokens(tiny):
+    """A stop string from the middle of each plain output ends the drafted run at the same
+    text, and n = 2 runs its two sequences' drafts apart."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    base = LLM(tiny, dtype="float32", num_kv_blocks=256)
+    plain = run(base, PROMPTS, params)
+    stops = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, n=2,
+                            stop=[o.text[len(o.text) // 2:len(o.text) // 2 + 3]]) for o in plain]
+    want = [[c.text for c in o.outputs] for o in base.generate(PROMPTS, stops, use_tqdm=False)]
+    llm = LLM(tiny, dtype="float32", num_kv_blocks=256, speculative_config=NGRAM)
+    with_oracle(llm, PROMPTS, plain)
+    outputs = llm.generate(PROMPTS, stops, use_tqdm=False)
+    got = [[c.text for c in o.outputs] for o in outputs]
+    assert got == want
+    assert sum(c.finish_reason == "stop" for o in outputs for c in o.outputs) >= len(PROMPTS)
+    assert all(len(texts) == 2 and texts[0] == texts[1] for texts in got)
+    assert all(n > 0 for n in draft_counts(llm))

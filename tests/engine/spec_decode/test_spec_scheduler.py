@@ -16,12 +16,12 @@ from testing.sched_invariants import check_drained, check_state, schedule
 VOCAB = 50
 
 
-def make(num_blocks=200, block_size=4, num_spec_tokens=4, **sched):
+def make(num_blocks=200, block_size=4, num_spec_tokens=4, lookahead=0, **sched):
     sched.setdefault("max_model_len", 256)
     return Scheduler(SchedulerConfig(**sched),
                      CacheConfig(num_kv_blocks=num_blocks, block_size=block_size,
                                  enable_prefix_caching=True),
-                     num_spec_tokens=num_spec_tokens)
+                     num_spec_tokens=num_spec_tokens, num_lookahead_tokens=lookahead)
 
 
 def requests(seed, num=6, max_tokens=30):
@@ -73,18 +73,23 @@ def run(scheduler, reqs, drafting_seed=None, k=4):
     return {r.request_id: r.output_token_ids for r in reqs}, steps
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_outputs_equal_a_run_without_drafts_under_preemption_chunking_and_prefix_hits(seed):
-    plain, plain_steps = run(make(num_spec_tokens=0), requests(seed))
+@pytest.mark.parametrize("seed,lookahead", [(0, 0), (1, 0), (2, 0), (3, 0), (0, 4), (1, 3)])
+def test_outputs_equal_a_run_without_drafts_under_preemption_chunking_and_prefix_hits(
+        seed, lookahead):
+    """lookahead: a draft model's slots past each request's tokens (check_state holds
+    every table to exactly that length, max_model_len capping it)."""
+    # max_model_len cuts some requests short: drafts and lookahead stop at it.
+    plain, plain_steps = run(make(num_spec_tokens=0, max_model_len=40), requests(seed))
     # A small pool (preemptions), a small budget (drafts cut, chunked prompts).
-    tight = make(num_blocks=24, max_num_batched_tokens=10, max_num_seqs=4)
+    tight = make(num_blocks=24, max_num_batched_tokens=10, max_num_seqs=4, lookahead=lookahead,
+                 max_model_len=40)
     drafted, steps = run(tight, requests(seed), drafting_seed=seed)
     assert drafted == plain
     stats = tight.spec_stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     assert tight.num_preemptions_total > 0
     assert tight.kv_cache_manager.prefix_cache_stats.hits > 0
-    roomy = make()
+    roomy = make(lookahead=lookahead, max_model_len=40)
     assert run(roomy, requests(seed), drafting_seed=seed)[0] == plain
     assert sum(roomy.spec_stats.num_accepted_tokens_per_pos) == roomy.spec_stats.num_accepted_tokens
 
