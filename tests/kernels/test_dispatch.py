@@ -118,10 +118,12 @@ def test_reshape_and_cache(native, dtype):
 
 @pytest.mark.parametrize("native", NATIVE, indirect=True)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("query_lens", [[1] * 5, [1, 3, 1, 40, 1]], ids=["decode", "mixed"])
+@pytest.mark.parametrize("query_lens", [[1] * 5, [1, 3, 1, 40, 1], [1, 5, 2, 9, 1]],
+                         ids=["decode", "mixed", "speculative"])
 def test_paged_attention(native, dtype, tol, query_lens):
     # Against the torch definition with no fast decode: prefill chunks through SDPA, so
-    # short chunks that dispatch runs as decode rows are checked too.
+    # short chunks that dispatch runs as decode rows are checked too. "speculative":
+    # decodes verifying drafts, a few query tokens at the end of long contexts.
     batch = make_paged_batch([1, 9, 33, 60, 77], query_lens, 9, 3, 64, 16, dtype=dtype, seed=5)
     expected = torch_ops.paged_attention(*batch.attention_args())
     got = dispatch.paged_attention(*batch.attention_args())

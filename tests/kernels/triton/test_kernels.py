@@ -70,6 +70,18 @@ def test_prefill_kernel_with_prefix_and_decode_rows_matches_torch(ratio, head_di
     assert_kernel_matches_torch(batch, dtype, SMALL_TILES)
 
 
+@pytest.mark.parametrize("ratio,head_dim,block_size,dtype", CASES[:3])
+def test_prefill_kernel_with_speculative_verification_rows_matches_torch(ratio, head_dim,
+                                                                         block_size, dtype):
+    # Decodes verifying drafts (speculative decoding): a few query tokens at the end of
+    # long contexts, beside plain decode rows.
+    seq_lens = [70, 9, 45, 33]
+    query_lens = [5, 1, 9, 2]
+    batch = make_paged_batch(seq_lens, query_lens, 2 * ratio, 2, head_dim, block_size,
+                             dtype=dtype, device=DEVICE, seed=ratio + block_size)
+    assert_kernel_matches_torch(batch, dtype, SMALL_TILES)
+
+
 def test_prefill_kernel_with_default_tiles_and_padding_rows():
     batch = make_paged_batch([37, 5], [30, 5], 6, 2, 64, 16, device=DEVICE)
     padded_query = torch.cat([batch.query, torch.randn(2, 6, 64, device=DEVICE)])
