@@ -18,6 +18,9 @@ prints batch and single-stream output tokens/s for every peer, with engine/peer 
 Workloads (greedy, ignore_eos so lengths are exact; --num-prompts N keeps the first N):
   fixed     64 prompts (32-64 tokens) x 128 new tokens  (the peers' workload, DESIGN.md 8)
   variable  64 prompts of 64-512 tokens, outputs drawn uniformly from 16-256 tokens
+  copy      (--workload copy only) 64 chat prompts asking to repeat, fix or convert to JSON a
+            ~100-token passage, x 128 new tokens: the answer echoes the prompt, as
+            speculative decoding's prompt lookup likes (bench/bench_spec_decode.py)
   single    one request (the first workload's first prompt) x 128 new tokens, wall time
             including prefill
   lora      (--workload lora only) the fixed workload over --lora-adapters random adapters
@@ -40,6 +43,7 @@ from pathlib import Path
 
 import torch
 
+from bench.bench_spec_decode import chat_ids, copy_texts
 from bench.peer_runs import (peer_label, run_hf_single, run_hf_static, run_llamacpp,
                              run_vllm)
 from engine import LLM, SamplingParams
@@ -67,6 +71,8 @@ class Workload:
 
 def make_workload(name: str, tokenizer, seed: int = 0, count: int = 64) -> Workload:
     """`count` below 64 gives the 64-prompt workload's first `count` requests."""
+    if name == "copy":
+        return Workload(name, chat_ids(tokenizer, copy_texts(count)), [128] * count)
     rng = random.Random(seed)
     prompts, outs = [], []
     for _ in range(count):
@@ -195,7 +201,7 @@ def main() -> None:
     ap.add_argument("--gguf", nargs="+", metavar="FILE",
                     help="GGUF files of --model's weights, for llama.cpp and quantization=gguf "
                          "(default: --model when it is a .gguf, the embedded one without --model)")
-    ap.add_argument("--workload", choices=["fixed", "variable", "all", "lora"], default="all")
+    ap.add_argument("--workload", choices=["fixed", "variable", "all", "lora", "copy"], default="all")
     ap.add_argument("--lora-adapters", type=int, default=4)
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lora-max-tokens", type=int, default=128)
