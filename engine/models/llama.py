@@ -155,7 +155,7 @@ class LlamaModel(nn.Module):
             raise ValueError(f"kv_caches: expected {len(self.layers)} layers, got {len(kv_caches)}")
         metas = per_layer(meta, len(self.layers))
         x = self.embed(input_ids)
-        if self.fused_single_decode and metas[0].max_query_len == 1 and input_ids.shape[0] == 1:
+        if self.fused_single_decode and single_decode.applies(metas[0], input_ids.shape[0]):
             plan = self._plan_for(kv_caches)
             if plan is not None:
                 hidden = single_decode.run(plan, x, positions, meta)

@@ -101,23 +101,38 @@ def _is_gemma_layer(layer: nn.Module, model: nn.Module) -> bool:
             and type(layer.mlp) is GeGLUMLP)
 
 
+def applies(meta: AttentionMetadata, rows: int) -> bool:
+    """Whether a step of `rows` tokens may take the fused step (the plan may still refuse
+    it): one sequence, all its rows this step's queries, and past one row a context before
+    them (a speculative verification: its last token and drafts). A fresh prompt keeps the
+    layer path, whose prefill kernels it was bit-equal to before drafts came, and which
+    serve long prompts better."""
+    if meta.max_query_len != rows or meta.seq_lens.shape[0] != 1:
+        return False
+    return rows == 1 or int(meta.seq_lens[0]) > rows
+
+
 def run(plan: DecodeStepPlan, embedding: torch.Tensor, positions: torch.Tensor,
         meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor | None:
-    """The hidden state, or None where the plan cannot take this step. Per-layer metadata
-    (the KV manager's groups of layers, each with its own block table and slots: the
-    model runner hands every layer of a group the same object) goes in as one block table
-    and slot per group and each layer's group index."""
+    """The hidden states, or None where the plan cannot take this step: one sequence's
+    rows (its last token, and its drafts when it speculates: query_start_loc [0, T]), at
+    most the plan's max_rows. Per-layer metadata (the KV manager's groups of layers, each
+    with its own block table and slots: the model runner hands every layer of a group the
+    same object) goes in as one block table and slot per group and each layer's group
+    index."""
     if isinstance(meta, AttentionMetadata):
         groups, layer_groups = [meta], None
     else:
         index: dict[int, int] = {}
         layer_groups = tuple(index.setdefault(id(m), len(index)) for m in meta)
         groups = list({id(m): m for m in meta}.values())  # in first-seen order, as index
+    rows = embedding.shape[0]
     for group in groups:
         tables = group.block_tables
-        if tables.dtype != torch.int32 or not tables.is_contiguous():
+        if (tables.dtype != torch.int32 or not tables.is_contiguous()
+                or group.max_query_len != rows):
             return None
     if not embedding.is_contiguous():
         return None
-    return plan.run(embedding, int(positions[0]), [int(g.slot_mapping[0]) for g in groups],
+    return plan.run(embedding, positions, [g.slot_mapping for g in groups],
                     [g.block_tables for g in groups], int(groups[0].seq_lens[0]), layer_groups)

@@ -3,8 +3,10 @@
 Python-level kernel calls a layer.
 
 The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its KV
-cache); a step then passes the token's embedding, position, and each KV group's slot and
-block table. Applies on CPU to float32 or bf16 models (activations, norms, rope tables
+cache); a step then passes the tokens' embeddings, positions, and each KV group's slots and
+block table. A step takes 1 to `max_rows` tokens of the sequence at consecutive positions
+(a speculative verification: the last token and its drafts), each row bit-equal to the
+one-row step of that token (decode_step.c's header). Applies on CPU to float32 or bf16 models (activations, norms, rope tables
 and KV cache in one dtype) with dense weights in that dtype, GEMM panels in that dtype or
 GGUF Q4_0/Q4_1/Q8_0 blocks; `plan` returns None otherwise and the caller keeps its own
 path. A layer may add per-head q/k RMSNorms before RoPE (Qwen3, Gemma 3), a sliding
@@ -19,6 +21,7 @@ from functools import lru_cache
 
 import torch
 
+from kernels.cpu import gemm as cpu_gemm
 from kernels.cpu import native as cpu_native
 from kernels.gguf_weight import FORMATS, GgufWeight
 from kernels.linear_weight import LinearWeight
@@ -50,15 +53,24 @@ class _Model(ctypes.Structure):
 
 
 class _Group(ctypes.Structure):
-    _fields_ = [("block_table", _P), ("max_blocks", _I64), ("slot", _I64)]
+    _fields_ = [("block_table", _P), ("slots", _P)]
+
+
+# The most rows a plan takes unless told (decode_step.c takes up to 64): a token and up to
+# 15 drafts. Over bf16 GEMM panels on an AMX host, AMX_PANEL_ROWS: the fused rows run
+# gemm_bf16's vdpbf16ps (what one row runs, so that rows stay bit-equal to one-row steps),
+# where the layer path's multi-row steps run AMX tiles; on SmolLM2 bf16 (2-core Sapphire
+# Rapids) 2 to 5 rows fused beat the layer path and 9 rows lost to it.
+MAX_ROWS = 16
+AMX_PANEL_ROWS = 5
 
 
 @lru_cache(maxsize=1)
 def _library() -> ctypes.CDLL | None:
     return cpu_native.bind({
         "decode_step_scratch_floats": (_I64, [ctypes.POINTER(_Model)]),
-        "decode_step": (_I32, [ctypes.POINTER(_Model), _P, _P, _P, _I64,
-                               ctypes.POINTER(_Group), _I32, _I32])})
+        "decode_step_rows": (_I32, [ctypes.POINTER(_Model), _P, _P, _P, _I64, _P,
+                                    ctypes.POINTER(_Group), _I32, _I32])})
 
 
 @dataclass(slots=True)
@@ -122,27 +134,34 @@ def _linear(linear: LinearWeight, dtype: torch.dtype) -> _Linear | None:
 
 class DecodeStepPlan:
     """The descriptors and scratch of one model over one KV cache; holds references to
-    every tensor it points at."""
+    every tensor it points at. A step takes 1 to `max_rows` rows."""
 
     def __init__(self, model: _Model, layers: ctypes.Array, keep: list,
-                 scratch: torch.Tensor) -> None:
+                 scratch: torch.Tensor, max_rows: int) -> None:
         self._model, self._layers, self._keep, self._scratch = model, layers, keep, scratch
         self.hidden = model.hidden
+        self.max_rows = max_rows
         self.dtype = torch.bfloat16 if model.is_bf16 else torch.float32
         # Each layer's KV group, as the last step's metadata had them: every layer in
         # group 0 until a step says otherwise.
         self._layer_groups: tuple[int, ...] = (0,) * model.num_layers
         self._groups = (_Group * model.num_layers)()
+        self._model_ref = ctypes.byref(model)
 
-    def run(self, embedding: torch.Tensor, position: int, slots: list[int],
+    def run(self, embedding: torch.Tensor, positions: torch.Tensor, slots: list[torch.Tensor],
             block_tables: list[torch.Tensor], seq_len: int,
             layer_groups: tuple[int, ...] | None = None) -> torch.Tensor | None:
-        """[1, hidden] final-norm output (the model's dtype) for the token whose embedding
-        is given, writing its K/V at its KV group's slot; None if a kernel refused (the
-        caller's path reruns). Group g's slot and block table (the sequence's row, int32
-        contiguous) are slots[g] and block_tables[g]; layer l is in group
-        layer_groups[l] (None: all in group 0)."""
-        if embedding.dtype != self.dtype:
+        """[T, hidden] final-norm outputs (the model's dtype) for the T tokens whose
+        embeddings [T, hidden] are given (1 <= T <= max_rows, at consecutive positions
+        `positions`, int64 [T]), writing their K/V at their KV group's slots; None if the
+        step does not fit or a kernel refused (the caller's path reruns). Group g's slots
+        (int64 [T]) and block table (the sequence's row, int32 contiguous) are slots[g]
+        and block_tables[g]; seq_len counts the context through the last row; layer l is
+        in group layer_groups[l] (None: all in group 0)."""
+        rows = embedding.shape[0]
+        if (embedding.dtype != self.dtype or not 1 <= rows <= self.max_rows
+                or embedding.shape[1] != self.hidden or not embedding.is_contiguous()
+                or not _int64_rows(positions, rows)):
             return None
         if layer_groups is None:
             layer_groups = (0,) * self._model.num_layers
@@ -154,26 +173,36 @@ class DecodeStepPlan:
                 entry.group = group
             self._layer_groups = layer_groups
         for entry, slot, table in zip(self._groups, slots, block_tables):
-            entry.block_table, entry.max_blocks, entry.slot = (table.data_ptr(),
-                                                               table.shape[-1], slot)
-        lib = _library()
-        out = torch.empty(1, self.hidden, dtype=self.dtype)
-        status = lib.decode_step(ctypes.byref(self._model), embedding.data_ptr(),
-                                 out.data_ptr(), self._scratch.data_ptr(), position,
-                                 self._groups, seq_len, torch.get_num_threads())
+            if not _int64_rows(slot, rows):
+                return None
+            entry.block_table, entry.slots = table.data_ptr(), slot.data_ptr()
+        out = torch.empty(rows, self.hidden, dtype=self.dtype)
+        status = _library().decode_step_rows(
+            self._model_ref, embedding.data_ptr(), out.data_ptr(), self._scratch.data_ptr(),
+            rows, positions.data_ptr(), self._groups, seq_len - rows + 1,
+            torch.get_num_threads())
         return out if status == 0 else None
+
+
+def _int64_rows(t: torch.Tensor, rows: int) -> bool:
+    return t.dtype == torch.int64 and t.is_cpu and t.is_contiguous() and t.shape == (rows,)
 
 
 def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim: int,
          rot_half: int, eps: float, scale: float, cos_table: torch.Tensor,
          sin_table: torch.Tensor, final_norm: torch.Tensor,
-         qk_eps: float | None = None, gemma: bool = False) -> DecodeStepPlan | None:
+         qk_eps: float | None = None, gemma: bool = False,
+         max_rows: int | None = None) -> DecodeStepPlan | None:
     """None when the fused step does not apply (no library, a GPU tensor, a dtype other
     than float32 / bf16 or mixed dtypes, a weight format the kernel lacks); the
     layer-by-layer path then serves. The model's dtype is final_norm's; `qk_eps` is the
     q/k norms' epsilon, needed where a layer has them. `gemma`: every layer is Gemma's
-    ((1 + w) norms, each with its MLP norms, GeGLU), the final norm too."""
+    ((1 + w) norms, each with its MLP norms, GeGLU), the final norm too. `max_rows`: the
+    most tokens a step takes (the scratch holds that many rows; None: MAX_ROWS, or
+    AMX_PANEL_ROWS over bf16 panels where gemm_bf16 carries AMX)."""
     dtype = final_norm.dtype
+    if max_rows is not None and not 1 <= max_rows <= 64:
+        return None
     if _library() is None or not layers or dtype not in _DENSE:
         return None
     if not all(_cpu(t, dtype) for t in (cos_table, sin_table, final_norm)):
@@ -218,11 +247,17 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
         entry.input_norm, entry.post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
         entry.key_cache = layer.key_cache.data_ptr()
         entry.value_cache = layer.value_cache.data_ptr()
+    if max_rows is None:
+        bf16_panels = any(lin.type == _PANELS[torch.bfloat16]
+                          for entry in table for lin in (entry.qkv, entry.o, entry.gate_up,
+                                                         entry.down))
+        max_rows = AMX_PANEL_ROWS if bf16_panels and cpu_gemm.bf16_amx_built() else MAX_ROWS
     hidden = final_norm.shape[0]
     inter = layers[0].down.in_features
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,
                    block_size, int(dtype == torch.bfloat16), int(gemma), eps, scale,
                    eps if qk_eps is None else qk_eps, final_norm.data_ptr(), table)
-    scratch = torch.empty(_library().decode_step_scratch_floats(ctypes.byref(model)),
+    scratch = torch.empty(max_rows * _library().decode_step_scratch_floats(ctypes.byref(model)),
                           dtype=torch.float32)
-    return DecodeStepPlan(model, table, [layers, cos_table, sin_table, final_norm], scratch)
+    return DecodeStepPlan(model, table, [layers, cos_table, sin_table, final_norm], scratch,
+                          max_rows)

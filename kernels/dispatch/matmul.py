@@ -200,10 +200,14 @@ def decode_step_plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: i
                      head_dim: int, rot_half: int, eps: float, scale: float,
                      cos_table: torch.Tensor, sin_table: torch.Tensor,
                      final_norm: torch.Tensor, qk_eps: float | None = None,
-                     gemma: bool = False) -> DecodeStepPlan | None:
+                     gemma: bool = False,
+                     max_rows: int | None = None) -> DecodeStepPlan | None:
     """A single sequence's decode step through every layer in one native call (float32
     or bf16 on CPU; kernels/cpu/decode_step.py), or None where it does not apply.
     `qk_eps`: the q/k norms' epsilon, where layers have them (Qwen3, Gemma 3); `gemma`:
-    the layers are Gemma's ((1 + w) norms, four a layer, GeGLU)."""
+    the layers are Gemma's ((1 + w) norms, four a layer, GeGLU); `max_rows`: the most
+    tokens of the sequence a step takes (a speculative verification's; None: the
+    kernel's choice for the weight format and host)."""
     return cpu_decode_step.plan(layers, num_heads, num_kv_heads, head_dim, rot_half, eps,
-                                scale, cos_table, sin_table, final_norm, qk_eps, gemma)
+                                scale, cos_table, sin_table, final_norm, qk_eps, gemma,
+                                max_rows)
