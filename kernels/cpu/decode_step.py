@@ -6,8 +6,9 @@ The model describes itself once (`DecodeStepPlan`: weight pointers, shapes, its 
 cache); a step then passes the tokens' embeddings, positions, and each KV group's slots and
 block table. A step takes 1 to `max_rows` tokens of the sequence at consecutive positions
 (a speculative verification: the last token and its drafts), each row bit-equal to the
-one-row step of that token (decode_step.c's header). Applies on CPU to float32 or bf16 models (activations, norms, rope tables
-and KV cache in one dtype) with dense weights in that dtype, GEMM panels in that dtype or
+one-row step of that token (decode_step.c's header). Applies on CPU to float32 or bf16
+models (activations, norms, rope tables and KV cache in one dtype) with dense weights in
+that dtype, GEMM panels in that dtype or
 GGUF Q4_0/Q4_1/Q8_0 blocks; `plan` returns None otherwise and the caller keeps its own
 path. A layer may add per-head q/k RMSNorms before RoPE (Qwen3, Gemma 3), a sliding
 window, a logit soft cap and RoPE tables of its own; the whole stack may be Gemma's layer
