@@ -268,22 +268,6 @@ class NullTrace:
     def requests_updated(self, requests: list[Request]) -> None:
         pass
 
-    def _settle_drafts(self) -> None:
-        """What each verified draft kept: the tokens its request really gained, less the
-        target's own (tokens past a stop are dropped, so they are not counted; a request
-        that got no token kept nothing)."""
-        step_accepted = 0
-        for request, num_draft, tokens_before in self._drafting:
-            accepted = min(max(request.num_tokens - tokens_before - 1, 0), num_draft)
-            step_accepted += accepted
-            totals = self._spec_totals.setdefault(request.request_id, [0, 0, 0])
-            totals[0] += 1
-            totals[1] += num_draft
-            totals[2] += accepted
-        self._drafting = []
-        if self._step_features is not None:
-            self._step_features["accepted_tokens"] = step_accepted
-
     def step_ended(self, num_preemptions_total: int) -> None:
         pass
 

@@ -109,7 +109,8 @@ def applies(meta: AttentionMetadata, rows: int) -> bool:
     serve long prompts better."""
     if meta.max_query_len != rows or meta.seq_lens.shape[0] != 1:
         return False
-    return rows == 1 or int(meta.seq_lens[0]) > rows
+    # (Off a GPU only past one row: reading seq_lens there would wait for the device.)
+    return rows == 1 or (not meta.seq_lens.is_cuda and int(meta.seq_lens[0]) > rows)
 
 
 def run(plan: DecodeStepPlan, embedding: torch.Tensor, positions: torch.Tensor,

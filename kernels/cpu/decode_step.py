@@ -60,10 +60,15 @@ class _Group(ctypes.Structure):
 # The most rows a plan takes unless told (decode_step.c takes up to 64): a token and up to
 # 15 drafts. Over bf16 GEMM panels on an AMX host, AMX_PANEL_ROWS: the fused rows run
 # gemm_bf16's vdpbf16ps (what one row runs, so that rows stay bit-equal to one-row steps),
-# where the layer path's multi-row steps run AMX tiles; on SmolLM2 bf16 (2-core Sapphire
-# Rapids) 2 to 5 rows fused beat the layer path and 9 rows lost to it.
+# so each row costs its own pass of arithmetic, where the layer path's multi-row steps
+# run AMX tiles at nearly one row's cost but pay ~3-5 ms of Python-level calls. Small
+# models gain (SmolLM2-135M bf16, 2-core Sapphire Rapids: 2 to 5 rows fused beat the
+# layer path by 3-4 ms, 9 rows lost to it); past AMX_PANEL_BYTES of weights the
+# arithmetic wins (a 1B shape: 5 rows fused 132 ms, layer path 110 ms), so such a
+# model's multi-row steps keep the layer path.
 MAX_ROWS = 16
 AMX_PANEL_ROWS = 5
+AMX_PANEL_BYTES = 512 * 1024**2
 
 
 @lru_cache(maxsize=1)
@@ -199,8 +204,8 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
     layer-by-layer path then serves. The model's dtype is final_norm's; `qk_eps` is the
     q/k norms' epsilon, needed where a layer has them. `gemma`: every layer is Gemma's
     ((1 + w) norms, each with its MLP norms, GeGLU), the final norm too. `max_rows`: the
-    most tokens a step takes (the scratch holds that many rows; None: MAX_ROWS, or
-    AMX_PANEL_ROWS over bf16 panels where gemm_bf16 carries AMX)."""
+    most tokens a step takes (the scratch holds that many rows; None: MAX_ROWS, or over
+    bf16 panels where gemm_bf16 carries AMX AMX_PANEL_ROWS, 1 past AMX_PANEL_BYTES)."""
     dtype = final_norm.dtype
     if max_rows is not None and not 1 <= max_rows <= 64:
         return None
@@ -252,7 +257,11 @@ def plan(layers: list[LayerWeights], num_heads: int, num_kv_heads: int, head_dim
         bf16_panels = any(lin.type == _PANELS[torch.bfloat16]
                           for entry in table for lin in (entry.qkv, entry.o, entry.gate_up,
                                                          entry.down))
-        max_rows = AMX_PANEL_ROWS if bf16_panels and cpu_gemm.bf16_amx_built() else MAX_ROWS
+        max_rows = MAX_ROWS
+        if bf16_panels and cpu_gemm.bf16_amx_built():
+            weight_bytes = sum(2 * lin.n * lin.k for entry in table
+                               for lin in (entry.qkv, entry.o, entry.gate_up, entry.down))
+            max_rows = AMX_PANEL_ROWS if weight_bytes <= AMX_PANEL_BYTES else 1
     hidden = final_norm.shape[0]
     inter = layers[0].down.in_features
     model = _Model(len(layers), hidden, num_heads, num_kv_heads, head_dim, rot_half, inter,

@@ -15,6 +15,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config.speculative import SpeculativeConfig
 from engine.metrics.trace import speculative_args
+from testing.spec_oracle import Oracle
 from testing.tiny_model import make_tiny_model_dir
 from tuning.replay import measured, replay
 from tuning.spec_replay import draft_rate, num_speculative_tokens
@@ -31,33 +32,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
 ARGS = {"dtype": "float32", "num_kv_blocks": 256, "block_size": 8, "max_model_len": 256,
         "max_num_seqs": 4}
 CONSTANT = StepModel(0.001, {name: 0.0 for name in FEATURES}, 0.001)
-
-
-class Oracle:
-    """Proposes the plain run's next tokens (nothing for prompts it does not know); every
-    third draft has its token at position (calls % length) made wrong."""
-
-    def __init__(self, expected: dict[tuple, list[int]], vocab_size: int) -> None:
-        self.expected, self.vocab_size, self.calls = expected, vocab_size, 0
-
-    def propose(self, requests, limits):
-        out = []
-        for request, limit in zip(requests, limits):
-            truth = self.expected.get(tuple(request.prompt_token_ids))
-            if truth is None:
-                out.append([])
-                continue
-            done = request.num_output_tokens
-            drafts = list(truth[done:done + limit])
-            self.calls += 1
-            if drafts and self.calls % 3 == 0:
-                spoil = self.calls % len(drafts)
-                drafts[spoil] = (drafts[spoil] + 1) % self.vocab_size
-            out.append(drafts)
-        return out
-
-    def finished(self, requests):
-        pass
 
 
 def params():

@@ -7,46 +7,17 @@ are bit-identical too.
 Random weights do not copy text, so n-gram drafts are rarely right here: the drafts come
 from an oracle that knows the plain run's outputs and spoils some of them on purpose
 (every run below has both accepted and rejected drafts). The n-gram proposer itself
-proposes on SmolLM2 below, where copying is real."""
+proposes on SmolLM2 in test_speculative_config.py, where copying is real."""
 import pytest
 
 from engine import LLM, SamplingParams
+from testing.spec_oracle import Oracle
 from testing.tiny_model import make_tiny_model_dir
 
 PROMPTS = ["The quick brown fox", "Once upon a time in a land far away, there lived a",
            "1, 2, 3, 4,", "Paris is the capital of", "def main():\n    print(", "A" * 3]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
          "prompt_lookup_min": 1}
-
-
-class Oracle:
-    """Proposes the plain run's next tokens for the prompts it knows; every third draft
-    has its position-(index % k) token replaced by a wrong one. Proposes nothing for
-    prompts it does not know (plain requests in a drafting batch)."""
-
-    def __init__(self, expected: dict[tuple, list[int]], vocab_size: int) -> None:
-        self.expected = expected
-        self.vocab_size = vocab_size
-        self.calls = 0
-
-    def propose(self, requests, limits):
-        out = []
-        for request, limit in zip(requests, limits):
-            truth = self.expected.get(tuple(request.prompt_token_ids))
-            if truth is None:
-                out.append([])
-                continue
-            done = request.num_output_tokens
-            drafts = list(truth[done:done + limit])
-            self.calls += 1
-            if drafts and self.calls % 3 == 0:
-                spoil = self.calls % len(drafts)
-                drafts[spoil] = (drafts[spoil] + 1) % self.vocab_size
-            out.append(drafts)
-        return out
-
-    def finished(self, requests):
-        pass
 
 
 @pytest.fixture(scope="module")
