@@ -53,19 +53,22 @@ def test_bad_values_are_refused_naming_the_key(value, fragment):
         EngineConfig.from_dict({"speculative_config": value})
 
 
-def test_ngram_proposes_on_text_the_model_copies():
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
+     "prompt_lookup_min": 2},
+    {"method": "suffix", "num_speculative_tokens": 8}], ids=["ngram", "suffix"])
+def test_proposers_propose_on_text_the_model_copies(spec):
     """SmolLM2 (trained weights, the embedded model) copies a passage it is asked to
-    repeat: n-gram drafts are accepted, and the output equals decoding without them
-    (disable_by_batch_size 0: no step proposes, whatever the batch)."""
+    repeat: n-gram and suffix drafts are accepted, and the output equals decoding without
+    them (disable_by_batch_size 0: no step proposes, whatever the batch)."""
     text = "The quick brown fox jumps over the lazy dog near the river bank. " * 2
     prompt = f"Repeat this text exactly: {text}\nRepeated:"
     params = SamplingParams(temperature=0, max_tokens=40)
-    llm = LLM(dtype="float32", max_model_len=512, num_kv_blocks=64, speculative_config={
-        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
-        "prompt_lookup_min": 2, "disable_by_batch_size": 1})
+    llm = LLM(dtype="float32", max_model_len=512, num_kv_blocks=64,
+              speculative_config={**spec, "disable_by_batch_size": 1})
     drafted = llm.generate(prompt, params, use_tqdm=False)
     stats = llm.llm_engine.get_stats().spec_decoding
-    assert stats.num_accepted_tokens > 0.5 * stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens > 0.3 * stats.num_draft_tokens > 0
     llm.llm_engine.speculator.config.disable_by_batch_size = 0
     plain = llm.generate(prompt, params, use_tqdm=False)
     assert llm.llm_engine.get_stats().spec_decoding.num_drafts == stats.num_drafts
