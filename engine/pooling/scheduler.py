@@ -28,11 +28,12 @@ class WholePromptKVCacheManager(KVCacheManager):
     stopping, before it charges or records anything for the request."""
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks=None, num_reserved_blocks: int = 0):
+                       new_computed_blocks=None, num_reserved_blocks: int = 0,
+                       num_lookahead_tokens: int = 0):
         if request.num_computed_tokens + num_new_tokens < request.num_tokens:
             return None
         return super().allocate_slots(request, num_new_tokens, new_computed_blocks,
-                                      num_reserved_blocks)
+                                      num_reserved_blocks, num_lookahead_tokens)
 
 
 class PoolingScheduler(Scheduler):
