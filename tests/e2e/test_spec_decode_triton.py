@@ -30,9 +30,13 @@ SPECULATIVE = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_ma
 # The embedded SmolLM2 with a small pool (vLLM's keys), metrics on as the pbtxt asks.
 # float32: in bf16 a verification step's logits (several positions in one pass) differ
 # from one-token decode's in the last bits, and this prompt has a near tie (" The" or
-# "\n" after the first copy) that bf16 breaks either way.
+# "\n" after the first copy) that bf16 breaks either way. No prefix cache: the requests
+# below ask the same prompt and their logprobs are compared bit for bit, and a later
+# request would compute its prompt's tail as a short chunk after cached blocks (the fused
+# step's rows, not the first request's prefill kernels: equal values, other last bits).
 ENGINE_JSON = {"dtype": "float32", "max_model_len": 1024, "num_gpu_blocks_override": 128,
-               "max_num_seqs": 8, "disable_log_requests": True}
+               "max_num_seqs": 8, "disable_log_requests": True,
+               "enable_prefix_caching": False}
 CONFIG = SAMPLE_CONFIG + _parameters({"REPORT_CUSTOM_METRICS": "true"})
 PROMPT = ("Repeat this text exactly: The quick brown fox jumps over the lazy dog. "
           "The quick brown fox jumps over the lazy dog.\nRepeated:")
