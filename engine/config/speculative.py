@@ -12,6 +12,7 @@ from typing import Any, Mapping
 from engine.config.json_section import section_from_value
 
 METHODS = ("ngram", "suffix", "draft_model")
+MAX_SPECULATIVE_TOKENS = 64
 # vLLM's spelling of the n-gram method in older configs.
 _ALIASES = {"[ngram]": "ngram"}
 
@@ -67,6 +68,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.num_speculative_tokens is required for "
                              f"method {method!r}")
         _positive("num_speculative_tokens", k)
+        if k > MAX_SPECULATIVE_TOKENS:
+            # Each position is a metric series and up to that many scored rows per request
+            # and step; past a few dozen a draft is never kept whole anyway.
+            raise ValueError(f"speculative_config.num_speculative_tokens must be <= "
+                             f"{MAX_SPECULATIVE_TOKENS}, got {k}")
         if method == "ngram":
             self._ngram_lengths()
         elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:

@@ -31,6 +31,8 @@ def test_vllm_keys_and_defaults():
     ({"method": "eagle9", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+    ({"method": "ngram", "num_speculative_tokens": 10_000}, "num_speculative_tokens must be <= 64"),
+    ({"method": "suffix", "suffix_decoding_max_tree_depth": 100}, "must be <= 64, got 100"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, r"unknown field\(s\) \['lookahead'\]"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
       "prompt_lookup_max": 3}, "prompt_lookup_min=5 must be <= prompt_lookup_max=3"),
