@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.models import single_decode
 from kernels.cpu import native as cpu_native
 from testing.tiny_model import make_tiny_model_dir
 
@@ -41,28 +40,20 @@ def one_at_a_time(llm: LLM, single_decode: bool, max_tokens: int = 12):
 # PROMPTS plus 12 tokens run past mistral-window's window of 12 and the Gemmas' of 10.
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral-window", "gemma2",
                                   "gemma3"])
-def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path, monkeypatch):
+def test_fused_step_is_bit_equal_on_dense_weights(arch, dtype, tmp_path, fused_steps):
     path = make_tiny_model_dir(tmp_path, arch=arch, seed=11, num_hidden_layers=3)
 
     def engine():
         return LLM(str(path), dtype=dtype, num_kv_blocks=64, block_size=8, max_model_len=128)
 
-    # Every fused step's result: a None would be a step the layer path took instead (the
-    # Gemmas get per-layer metadata, their windowed and full layers in KV groups of
-    # their own).
-    steps = []
-
-    def recording_run(*args):
-        steps.append(fused_run(*args))
-        return steps[-1]
-
-    fused_run = single_decode.run
-    monkeypatch.setattr(single_decode, "run", recording_run)
     plain, no_plan = one_at_a_time(engine(), False)
     fused, plan = one_at_a_time(engine(), True)
     assert no_plan is None and plan is not None and plan[1] is not None  # it planned
     assert plan[1].dtype == getattr(torch, dtype)
-    assert steps and all(hidden is not None for hidden in steps)  # and ran every decode
+    # And ran every decode: a None would be a step the layer path took instead (the
+    # Gemmas get per-layer metadata, their windowed and full layers in KV groups of
+    # their own).
+    assert fused_steps and all(hidden is not None for _, hidden in fused_steps)
     assert fused == plain  # token ids and logprob floats, exactly
 
 

@@ -15,7 +15,7 @@ import torch
 from gguf import quants
 
 from engine import LLM, SamplingParams
-from engine.models import AttentionMetadata, load_model, single_decode
+from engine.models import AttentionMetadata, load_model
 from engine.models.layers import Linear
 from kernels.cpu import decode_step as cpu_decode_step
 from kernels.cpu import native as cpu_native
@@ -90,21 +90,14 @@ def _hide(kv, table: list[int], first_seen: int, placeholder: int) -> torch.Tens
 @pytest.mark.parametrize("weights", ["dense", "panels", "Q8_0", "Q4_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_rows_are_bit_equal_to_one_row_steps(name, dtype, weights, tmp_path, monkeypatch):
+def test_rows_are_bit_equal_to_one_row_steps(name, dtype, weights, tmp_path, monkeypatch,
+                                             fused_steps):
     arch, overrides, window = FAMILIES[name]
     # bf16 panels on AMX hosts cap the rows for speed, not exactness: test them all.
     monkeypatch.setattr(cpu_decode_step, "AMX_PANEL_ROWS", cpu_decode_step.MAX_ROWS)
     loaded = load_model(make_tiny_model_dir(tmp_path, arch=arch, seed=5, **overrides), dtype)
     _set_weights(loaded.model, weights)
     model = loaded.model
-    results = []
-
-    def recording_run(*args):
-        results.append(fused_run(*args))
-        return results[-1]
-
-    fused_run = single_decode.run
-    monkeypatch.setattr(single_decode, "run", recording_run)
     builder = PagedBatchBuilder(block_size=BLOCK, num_blocks=32)
     kv = builder.new_kv_caches(loaded, dtype)
     placeholder = builder._next_free.pop()
@@ -113,7 +106,7 @@ def test_rows_are_bit_equal_to_one_row_steps(name, dtype, weights, tmp_path, mon
     ids, positions, meta = builder.build([("S", prompt, 0)])
     with torch.inference_mode():
         model(ids, positions, kv, meta)
-    assert not results  # a fresh prompt keeps the layer path
+    assert not fused_steps  # a fresh prompt keeps the layer path
     plan = model.model._plan_for(kv)
     assert plan is not None
     types = {entry.qkv.type for entry in plan._layers}
@@ -127,11 +120,12 @@ def test_rows_are_bit_equal_to_one_row_steps(name, dtype, weights, tmp_path, mon
         first_seen = position + 1 - window if window else 0
         table = _hide(kv, builder.block_tables["S"], first_seen, placeholder)
         one_kv = [(k.clone(), v.clone()) for k, v in kv]
-        results.clear()
+        fused_steps.clear()
         singles = torch.cat([_step(model, one_kv, [token], position + t, table)
                              for t, token in enumerate(tokens)])
         together = _step(model, kv, tokens, position, table)
-        assert len(results) == rows + 1 and all(r is not None for r in results), "not fused"
+        assert len(fused_steps) == rows + 1, "not fused"
+        assert all(hidden is not None for _, hidden in fused_steps), "not fused"
         assert torch.isfinite(together).all()
         assert torch.equal(_bits(together), _bits(singles)), f"{name} {rows} rows at {position}"
         for (k, v), (k_ref, v_ref) in zip(kv, one_kv):
@@ -139,7 +133,7 @@ def test_rows_are_bit_equal_to_one_row_steps(name, dtype, weights, tmp_path, mon
         position += rows
 
 
-def test_rows_past_the_plan_keep_the_layer_path(tmp_path, monkeypatch):
+def test_rows_past_the_plan_keep_the_layer_path(tmp_path, fused_steps):
     loaded = load_model(make_tiny_model_dir(tmp_path, arch="llama", seed=5), torch.float32)
     builder = PagedBatchBuilder(block_size=BLOCK, num_blocks=32)
     kv = builder.new_kv_caches(loaded, torch.float32)
@@ -150,16 +144,9 @@ def test_rows_past_the_plan_keep_the_layer_path(tmp_path, monkeypatch):
     tokens = list(range(5, 5 + plan.max_rows + 1))
     builder.build([("S", tokens, PROMPT_LEN)])
     table = torch.tensor([builder.block_tables["S"]], dtype=torch.int32)
-    results = []
-
-    def recording_run(*args):
-        results.append(fused_run(*args))
-        return results[-1]
-
-    fused_run = single_decode.run
-    monkeypatch.setattr(single_decode, "run", recording_run)
+    fused_steps.clear()  # the prompt's step
     hidden = _step(loaded.model, kv, tokens, PROMPT_LEN, table)
-    assert results == [None] and hidden.shape == (len(tokens), plan.hidden)
+    assert fused_steps == [(len(tokens), None)] and hidden.shape == (len(tokens), plan.hidden)
 
 
 class _Drafts:
@@ -180,7 +167,8 @@ class _Drafts:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_speculative_greedy_tokens_equal_plain_decoding(arch, dtype, tmp_path, monkeypatch):
+def test_speculative_greedy_tokens_equal_plain_decoding(arch, dtype, tmp_path, monkeypatch,
+                                                        fused_steps):
     monkeypatch.setattr(cpu_decode_step, "AMX_PANEL_ROWS", cpu_decode_step.MAX_ROWS)
     path = make_tiny_model_dir(tmp_path, arch=arch, seed=11, num_hidden_layers=3)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -190,16 +178,9 @@ def test_speculative_greedy_tokens_equal_plain_decoding(arch, dtype, tmp_path, m
     spec = LLM(str(path), dtype=dtype, num_kv_blocks=64, block_size=8, max_model_len=128,
                speculative_config={"method": "ngram", "num_speculative_tokens": 8})
     spec.llm_engine.speculator.proposer = _Drafts()
-    rows = []
-
-    def recording_run(plan, embedding, *args):
-        out = fused_run(plan, embedding, *args)
-        rows.append((embedding.shape[0], out is not None))
-        return out
-
-    fused_run = single_decode.run
-    monkeypatch.setattr(single_decode, "run", recording_run)
+    fused_steps.clear()  # the plain engine's
     got = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == expected
-    assert all(ok for _, ok in rows)
-    assert any(n > 2 for n, _ in rows)  # verifications of several drafts took the fused step
+    assert all(hidden is not None for _, hidden in fused_steps)
+    # verifications of several drafts took the fused step
+    assert any(rows > 2 for rows, _ in fused_steps)
