@@ -327,9 +327,10 @@ class ModelRunner:
                                              self._upload)
         counts = torch.tensor(sample_counts, dtype=torch.int64)
         if drafts:  # a drafting request samples its last k + 1 rows
-            ends = torch.repeat_interleave(qsl[1:], counts)
-            back = torch.cat([torch.arange(c, 0, -1) for c in sample_counts if c])
-            sample_rows = ends - back
+            # Row r of a request sampling c rows is c - r rows before its end.
+            back = (torch.repeat_interleave(torch.cumsum(counts, 0), counts)
+                    - torch.arange(int(counts.sum())))
+            sample_rows = torch.repeat_interleave(qsl[1:], counts) - back
         else:
             sample_rows = (qsl[1:] - 1)[counts.bool()]
         input_ids = self._upload(torch.tensor(token_ids, dtype=torch.int64))
