@@ -368,11 +368,16 @@ class Scheduler:
         hashed, since only tokens in all_token_ids are), so the request stands as if it
         had never proposed them (but for the lookahead slots a draft model keeps)."""
         request.num_computed_tokens -= num_draft - num_accepted
+        self._drop_draft(request)
+        if self.spec_stats is not None:
+            self.spec_stats.observe(num_draft, num_accepted)
+
+    def _drop_draft(self, request: Request) -> None:
+        """Forget the request's draft and free the blocks past its computed tokens (and
+        their lookahead slots)."""
         request.spec_token_ids = []
         computed = request.num_computed_tokens
         self.kv_cache_manager.trim(request, computed + self.lookahead_slots(computed))
-        if self.spec_stats is not None:
-            self.spec_stats.observe(num_draft, num_accepted)
 
     def lookahead_slots(self, num_tokens: int) -> int:
         """The lookahead slots a request with `num_tokens` computed (or scheduled) tokens
@@ -389,9 +394,7 @@ class Scheduler:
                     and request.num_computed_tokens >= request.num_tokens):
                 request.num_computed_tokens = request.num_tokens - 1
                 if request.spec_token_ids:
-                    request.spec_token_ids = []
-                    computed = request.num_computed_tokens
-                    self.kv_cache_manager.trim(request, computed + self.lookahead_slots(computed))
+                    self._drop_draft(request)
 
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager

@@ -134,7 +134,8 @@ class OutputProcessor:
                 prompt: Mapping[str, Any] | None = None) -> list[RequestOutput]:
         """The outputs due after a step; `updated`: the requests that got tokens in it,
         `logprobs`: the runner's TokenLogprobs by request id, one per new token, `prompt`:
-        the prompt logprobs the step completed (engine/sample/prompt_logprobs.py), by request id."""
+        the prompt logprobs the step completed (engine/sample/prompt_logprobs.py), by
+        request id."""
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         prompt = prompt or {}
