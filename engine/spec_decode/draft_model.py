@@ -78,14 +78,14 @@ class DraftModelProposer:
         drafts drawn from softmax(draft logits / its temperature), and the runner weighs
         them with those probabilities (take_probs); greedy requests get the argmax."""
         self.loaded = draft
+        self.model = draft.model
+        self.device = next(self.model.parameters()).device
         self.probabilistic = sample_method == "probabilistic"
         # Unseeded requests' draws; a seeded request draws from its own generator.
-        self._shared = torch.Generator(device=next(draft.model.parameters()).device)
+        self._shared = torch.Generator(device=self.device)
         self._shared.manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
         self._probs: dict[str, list[torch.Tensor]] = {}
-        self.model = draft.model
-        self.device = next(self.model.parameters()).device
         self.block_size = block_size
         shape = (num_kv_blocks, block_size, draft.num_kv_heads, draft.head_dim)
         self.kv_caches = [(host_memory.zeros(shape, draft.dtype, self.device),
